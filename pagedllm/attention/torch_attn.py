@@ -1,0 +1,215 @@
+"""Paged attention in plain torch (the CPU backend).
+
+Layout of one layer's KV cache: ``kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+Token ``t`` of a request lives at slot ``block_table[t // block_size] * block_size + t % block_size``; e.g. with
+``block_size=16`` and ``block_table=[7, 3]``, token 20 is in block 3, offset 4: slot 52.
+
+Per step, the runner flattens all scheduled tokens of all requests into ``num_tokens`` rows (request order), and
+builds one ``AttentionMetadata`` shared by every layer. Requests with a single query token (decode) are attended in
+one batched call; requests with several query tokens (prefill chunks) one call each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSlice:
+    """One request with ``q_len > 1`` query tokens: rows ``[q_start, q_end)`` of the flattened batch."""
+
+    req_index: int
+    q_start: int
+    q_end: int
+    seq_len: int  # tokens of context after this step (cached + new)
+    block_ids: Optional[torch.Tensor]  # [ceil(seq_len / block_size)] int64, None when nothing was cached before
+    mask: Optional[torch.Tensor]  # [q_len, seq_len] bool (True = attend), None = plain causal
+    mask_windowed: Optional[torch.Tensor] = None  # same, for sliding-window layers
+
+
+@dataclass
+class DecodeBatch:
+    """All requests with exactly one query token, attended together."""
+
+    token_rows: torch.Tensor  # [num_decode] int64: their rows in the flattened batch
+    block_tables: torch.Tensor  # [num_decode, max_blocks] int64
+    mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool (True = attend)
+    mask_windowed: Optional[torch.Tensor] = None
+    all_rows: bool = False  # True when every token of the batch is a decode token (rows are 0..n-1)
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of attention, shared by all layers.
+
+    Shapes: ``slot_mapping [num_tokens]``, ``query_start_loc [num_reqs + 1]``, ``seq_lens [num_reqs]``,
+    ``block_tables [num_reqs, max_blocks]`` (int32, host side; padded with 0, the null block).
+    """
+
+    num_tokens: int
+    num_reqs: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+    decode: Optional[DecodeBatch] = None
+    prefills: list[PrefillSlice] = field(default_factory=list)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    sliding_window: Optional[int] = None,
+) -> AttentionMetadata:
+    """Builds the metadata (and the masks every layer reuses) for one step.
+
+    Args:
+        query_lens: tokens computed this step, per request.
+        seq_lens: context length after this step (``num_computed_tokens + query_len``), per request.
+        block_tables: ``[num_reqs, max_blocks]`` int (physical block ids; padding 0).
+        slot_mapping: ``[num_tokens]`` int64.
+        sliding_window: if set, masks for windowed layers are built too (key ``j`` visible from query ``i`` iff
+            ``0 <= i - j < sliding_window``, as HF Mistral/Gemma define it).
+    """
+    num_reqs = len(query_lens)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    num_tokens = qsl[-1]
+    block_tables = block_tables.to(torch.int64)
+    decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
+    decode = None
+    if decode_idx:
+        n_dec = len(decode_idx)
+        all_rows = n_dec == num_reqs
+        if all_rows:
+            rows = torch.arange(num_reqs, dtype=torch.int64)
+            bt = block_tables
+            sl = torch.tensor(seq_lens, dtype=torch.int64)
+        else:
+            rows = torch.tensor([qsl[i] for i in decode_idx], dtype=torch.int64)
+            bt = block_tables[decode_idx]
+            sl = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64)
+        max_blocks = (int(sl.max()) + block_size - 1) // block_size
+        bt = bt[:, :max_blocks]
+        ctx = torch.arange(max_blocks * block_size, dtype=torch.int64)
+        mask = (ctx[None, :] < sl[:, None])[:, None, None, :]
+        mask_w = None
+        if sliding_window is not None:
+            mask_w = mask & (ctx[None, :] > (sl[:, None] - 1 - sliding_window))[:, None, None, :]
+        decode = DecodeBatch(token_rows=rows, block_tables=bt, mask=mask, mask_windowed=mask_w, all_rows=all_rows)
+    prefills = []
+    for i, q in enumerate(query_lens):
+        if q == 1:
+            continue
+        s = seq_lens[i]
+        cached = s - q
+        block_ids = None
+        mask = None
+        mask_w = None
+        if cached > 0 or sliding_window is not None:
+            qpos = torch.arange(cached, s, dtype=torch.int64)[:, None]
+            kpos = torch.arange(s, dtype=torch.int64)[None, :]
+            causal = kpos <= qpos
+            mask = causal if cached > 0 else None
+            if sliding_window is not None:
+                mask_w = causal & (kpos > qpos - sliding_window)
+        if cached > 0:
+            block_ids = block_tables[i, : (s + block_size - 1) // block_size]
+        prefills.append(PrefillSlice(i, qsl[i], qsl[i + 1], s, block_ids, mask, mask_w))
+    return AttentionMetadata(
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        block_size=block_size,
+        decode=decode,
+        prefills=prefills,
+    )
+
+
+class Attention(torch.nn.Module):
+    """Multi-head / grouped-query attention over the paged KV cache.
+
+    forward(q [T, H*D], k [T, KVH*D], v [T, KVH*D], kv_cache [2, NB, BS, KVH, D], meta) -> [T, H*D].
+    K/V of this step are first written into the cache at ``meta.slot_mapping``, so a request can attend to blocks
+    another request of the same step wrote (prefix sharing inside one step).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.gqa = num_heads != num_kv_heads
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = q.shape[0]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = q.view(T, H, D)
+        k = k.view(T, KVH, D)
+        v = v.view(T, KVH, D)
+        k_cache = kv_cache[0]
+        v_cache = kv_cache[1]
+        flat_k = k_cache.view(-1, KVH, D)
+        flat_v = v_cache.view(-1, KVH, D)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        windowed = self.sliding_window is not None
+        out = torch.empty_like(q)
+        dec = meta.decode
+        if dec is not None:
+            n = dec.token_rows.shape[0]
+            qd = q if dec.all_rows else q.index_select(0, dec.token_rows)
+            kd = k_cache[dec.block_tables].view(n, -1, KVH, D).transpose(1, 2)  # [n, KVH, ctx, D]
+            vd = v_cache[dec.block_tables].view(n, -1, KVH, D).transpose(1, 2)
+            mask = dec.mask_windowed if windowed else dec.mask
+            od = F.scaled_dot_product_attention(
+                qd.view(n, H, 1, D), kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa
+            )  # [n, H, 1, D]
+            od = od.view(n, H, D)
+            if dec.all_rows:
+                out = od
+            else:
+                out.index_copy_(0, dec.token_rows, od)
+        for p in meta.prefills:
+            qp = q[p.q_start : p.q_end].transpose(0, 1)  # [H, q_len, D]
+            if p.block_ids is None:
+                kp = k[p.q_start : p.q_end].transpose(0, 1)
+                vp = v[p.q_start : p.q_end].transpose(0, 1)
+            else:
+                kp = k_cache[p.block_ids].view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
+                vp = v_cache[p.block_ids].view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
+            mask = p.mask_windowed if windowed else p.mask
+            if mask is None:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
+            out[p.q_start : p.q_end] = op.transpose(0, 1)
+        return out.view(T, H * D)

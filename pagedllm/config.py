@@ -1,0 +1,217 @@
+"""Engine configuration: flat ``EngineArgs`` (vLLM's names) -> frozen ``EngineConfig``.
+
+Values found at start-up (number of KV blocks, EOS ids, the HF config) are computed in ``EngineArgs.create_engine_config``
+and ``determine_num_blocks`` and passed in; nothing patches a config afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+GiB = 1 << 30
+
+# Default KV cache size on CPU. vLLM-CPU defaults VLLM_CPU_KVCACHE_SPACE to 4 GiB; this 2-core/24 GiB machine runs
+# several engines in tests, so we default to 2 GiB (about 93k tokens of SmolLM2-135M in bf16).
+DEFAULT_KV_CACHE_MEMORY_BYTES = 2 * GiB
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to run. ``hf_config`` is a ``transformers.PretrainedConfig`` (from config.json or GGUF metadata)."""
+
+    model: str  # path: a GGUF file or a Hugging Face folder
+    tokenizer: str
+    served_model_name: str
+    dtype: Any  # torch.dtype
+    max_model_len: int  # tokens (prompt + output)
+    hf_config: Any
+    architecture: str
+    vocab_size: int
+    max_logprobs: int = 20
+    seed: int = 0
+    chat_template: Optional[str] = None
+    is_gguf: bool = False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 0  # physical KV blocks, including the null block 0 (set at start-up)
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running requests per step
+    max_num_batched_tokens: int = 2048  # tokens computed per step (the token budget)
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap on a prefill chunk
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def resolve_dtype(dtype: str, hf_config: Any = None):
+    """Maps ``auto``/``bfloat16``/``bf16``/``float16``/``float32``/``fp32`` to a torch dtype.
+
+    ``auto`` is bfloat16 on CPUs with native bf16 (AVX-512-BF16/AMX) and on CUDA, float32 otherwise.
+
+    Raises:
+        ValueError: naming ``dtype`` for an unknown value.
+    """
+    import torch
+
+    d = str(dtype).lower().replace("torch.", "")
+    table = {
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp16": torch.float16,
+        "float32": torch.float32,
+        "float": torch.float32,
+        "fp32": torch.float32,
+    }
+    if d == "auto":
+        if torch.cuda.is_available():
+            return torch.bfloat16
+        return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    if d not in table:
+        raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}.")
+    return table[d]
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments with vLLM's names (``LLM(**kwargs)`` and the CLI flags map onto these)."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None  # vLLM's name for an explicit KV block count
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_logprobs: int = 20
+    seed: int = 0
+    chat_template: Optional[str] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    trust_remote_code: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def _verify(self) -> None:
+        def pos(name: str, allow_none: bool = True) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override", "max_logprobs",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
+            pos(name)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}.")
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolves the model, reads its config and builds the frozen config (KV block count still 0).
+
+        Raises:
+            ValueError: for bad values, naming the argument.
+            FileNotFoundError: if the model path doesn't exist.
+        """
+        from pagedllm.model_files import default_model_path
+        from pagedllm.model_loader.hf_config import load_hf_config, get_architecture
+
+        self._verify()
+        model = self.model or default_model_path()
+        model = os.path.expanduser(model)
+        if not os.path.exists(model):
+            raise FileNotFoundError(f"model {model!r} not found: give a GGUF file or a Hugging Face model folder.")
+        is_gguf = model.endswith(".gguf")
+        hf_config = load_hf_config(model)
+        architecture = get_architecture(hf_config)
+        dtype = resolve_dtype(self.dtype, hf_config)
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 8192
+        max_model_len = self.max_model_len or max_pos
+        vocab_size = int(hf_config.vocab_size)
+        max_num_batched_tokens = self.max_num_batched_tokens or max(2048, 0)
+        if not self.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        if self.served_model_name:
+            name = self.served_model_name
+        else:
+            name = self.model if self.model else os.path.basename(model)
+        chat_template = None
+        if self.chat_template:
+            from pagedllm.tokenizer import load_chat_template
+
+            chat_template = load_chat_template(self.chat_template)
+        kv_bytes = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        return EngineConfig(
+            model=ModelConfig(
+                model=model,
+                tokenizer=self.tokenizer or model,
+                served_model_name=name,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                hf_config=hf_config,
+                architecture=architecture,
+                vocab_size=vocab_size,
+                max_logprobs=self.max_logprobs,
+                seed=self.seed,
+                chat_template=chat_template,
+                is_gguf=is_gguf,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=(self.num_gpu_blocks_override + 1) if self.num_gpu_blocks_override else 0,
+                kv_cache_memory_bytes=kv_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+            ),
+        )

@@ -1,0 +1,85 @@
+"""Typed messages across the scheduler / model-runner boundary (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner hasn't seen (first schedule). ``block_ids`` is its whole block table."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner knows. ``new_block_ids`` are appended to its block table, or replace it when
+    ``resumed_from_preemption`` (then ``all_token_ids`` holds its prompt and output tokens so far)."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False
+    all_token_ids: Optional[list[int]] = None
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. ``num_scheduled_tokens`` is ordered: the runner lays requests out in this order."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Per token: ``token_ids[i][0]`` is the sampled/target token, then the top-k; ``ranks[i]`` its vocab rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner computed: for request ``req_ids[i]``, ``sampled_token_ids[i]`` (empty while its prompt
+    is still being prefilled in chunks)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: Optional[dict[str, LogprobsLists]] = None  # sampled-token logprobs, for requests that asked
+    prompt_logprobs: Optional[dict[str, LogprobsLists]] = None  # for prompt positions computed this step
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request (deltas)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[LogprobsLists] = None
+    new_prompt_logprobs: Optional[LogprobsLists] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Optional[int | str] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
