@@ -34,6 +34,7 @@ class ModelConfig:
     seed: int = 0
     chat_template: Optional[str] = None
     is_gguf: bool = False
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids and no text is produced
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -197,6 +199,7 @@ class EngineArgs:
                 seed=self.seed,
                 chat_template=chat_template,
                 is_gguf=is_gguf,
+                skip_tokenizer_init=self.skip_tokenizer_init,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -31,15 +31,27 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
 
 
+def _eos_from_config(hf_config) -> list[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+    def __init__(self, config: EngineConfig, model=None) -> None:
+        """``model``: an already-loaded model to reuse (tests build engine variants around one model)."""
         from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
 
         self.config = config
         mc = config.model
-        self.tokenizer = get_tokenizer(mc.tokenizer)
-        self.eos_token_ids: set[int] = set(get_eos_token_ids(self.tokenizer, mc.model))
-        self.engine_core = EngineCore(config)
+        if mc.skip_tokenizer_init:
+            self.tokenizer = None
+            self.eos_token_ids: set[int] = set(_eos_from_config(mc.hf_config))
+        else:
+            self.tokenizer = get_tokenizer(mc.tokenizer)
+            self.eos_token_ids = set(get_eos_token_ids(self.tokenizer, mc.model))
+        self.engine_core = EngineCore(config, model=model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
@@ -71,6 +83,8 @@ class LLMEngine:
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
         if text is not None:
+            if self.tokenizer is None:
+                raise ValueError("prompt must be token ids when skip_tokenizer_init=True.")
             if not isinstance(text, str):
                 raise ValueError("prompt must be a string.")
             if not text:
@@ -133,7 +147,7 @@ class LLMEngine:
                     cp.seed = params.seed + i
             cid = request_id if n == 1 else f"{i}_{request_id}"
             det = None
-            if cp.detokenize:
+            if cp.detokenize and self.tokenizer is not None:
                 det = IncrementalDetokenizer(
                     self.tokenizer, pp.prompt_token_ids, skip_special_tokens=cp.skip_special_tokens,
                     spaces_between_special_tokens=cp.spaces_between_special_tokens, stop=cp.stop,

@@ -81,8 +81,10 @@ class OutputProcessor:
                 c.finish_reason = "abort"
         return self._finish_parent(p, force_output=True)
 
-    def _decode_token(self, tid: int) -> str:
+    def _decode_token(self, tid: int) -> Optional[str]:
         s = self._decode_cache.get(tid)
+        if s is None and self.tokenizer is None:
+            return None
         if s is None:
             s = self.tokenizer.decode([tid])
             if len(self._decode_cache) < 200_000:
@@ -134,7 +136,8 @@ class OutputProcessor:
                         c.cumulative_logprob += d[tok].logprob
             finish_reason = eo.finish_reason
             if c.detokenizer is not None:
-                stop_str = c.detokenizer.update(eo.new_token_ids, finish_reason is not None)
+                stop_str = c.detokenizer.update(eo.new_token_ids, finish_reason is not None,
+                                                stop_terminated=finish_reason == "stop")
                 if stop_str is not None and finish_reason is None:
                     finish_reason = "stop"
                     c.stop_reason = stop_str

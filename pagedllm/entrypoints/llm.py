@@ -25,14 +25,23 @@ class LLM:
         ValueError: for a bad engine argument, naming it.
     """
 
-    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, model: Optional[str] = None, _loaded_model=None, **kwargs: Any) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments: {sorted(unknown)}")
         args = EngineArgs(model=model, **kwargs)
         self.engine_args = args
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        self.llm_engine = LLMEngine(args.create_engine_config(), model=_loaded_model)
         self._ids = itertools.count()
+
+    def with_engine_args(self, **kwargs: Any) -> "LLM":
+        """A new ``LLM`` on the same loaded weights with some engine arguments changed (scheduler, KV cache)."""
+        import dataclasses
+
+        args = dataclasses.asdict(self.engine_args)
+        args.update(kwargs)
+        model = args.pop("model")
+        return LLM(model, _loaded_model=self.llm_engine.engine_core.runner.model, **args)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

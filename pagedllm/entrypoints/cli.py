@@ -1,0 +1,132 @@
+"""The ``pagedllm`` command: ``generate`` (offline), ``serve`` (OpenAI-compatible server), ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineArgs
+
+
+def _int_bytes(s: str) -> int:
+    """Parses byte sizes like ``2147483648``, ``2G``, ``512M``, ``2GiB``."""
+    t = s.strip().upper().replace("IB", "").replace("B", "")
+    mult = 1
+    for suf, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suf):
+            mult, t = m, t[:-1]
+            break
+    try:
+        return int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {s!r}")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, with vLLM's names."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None, help="Tokenizer path (default: the model's own).")
+    g.add_argument("--served-model-name", default=None,
+                   help="Model name reported by the API and accepted in requests (default: the model path).")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="Weight and activation dtype. auto = bfloat16 on CPUs with AVX-512-BF16/AMX, else float32.")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="Longest sequence (prompt + output) in tokens (default: the model's context length).")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="Most requests in one step's batch.")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="Token budget of one step (prefill chunks + decodes; default 2048).")
+    g.add_argument("--block-size", type=int, default=16, help="Tokens per KV cache block.")
+    g.add_argument("--kv-cache-memory-bytes", type=_int_bytes, default=None,
+                   help=f"KV cache size in bytes, e.g. 2G (default {DEFAULT_KV_CACHE_MEMORY_BYTES >> 30} GiB).")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="Exact number of KV blocks (overrides --kv-cache-memory-bytes).")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="Reuse KV blocks of shared prompt prefixes (on by default).")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="Split long prompts across steps to keep decodes flowing (on by default).")
+    g.add_argument("--max-logprobs", type=int, default=20, help="Largest logprobs / top_logprobs a request may ask.")
+    g.add_argument("--seed", type=int, default=0, help="Random seed of the engine.")
+    g.add_argument("--chat-template", default=None, help="Chat template: a Jinja file path or the template itself.")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks.")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline-parallel stages.")
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    names = EngineArgs.field_names()
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    prompts = ns.prompt or []
+    if not prompts:
+        print("error: give at least one --prompt", file=sys.stderr)
+        return 2
+    try:
+        sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.sampling_seed, stop=ns.stop or None, n=ns.n,
+                            ignore_eos=ns.ignore_eos)
+        llm = LLM(**vars(engine_args_from_namespace(ns)))
+        if ns.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp, use_tqdm=False)
+        else:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p, o in zip(prompts, outs):
+        if ns.json:
+            print(json.dumps({"prompt": p, "outputs": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in o.outputs]}))
+        else:
+            for c in o.outputs:
+                print(f"--- prompt: {p!r}\n{c.text}\n[finish_reason={c.finish_reason}, tokens={len(c.token_ids)}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference and serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="Generate text offline and print it.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("model", nargs="?", default=None,
+                   help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct).")
+    g.add_argument("--prompt", action="append", help="A prompt (repeat for a batch).")
+    g.add_argument("--chat", action="store_true", help="Wrap each prompt as a user turn in the chat template.")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", help="Stop string (repeatable).")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    g.add_argument("--json", action="store_true", help="Print one JSON object per prompt.")
+    add_engine_args(g)
+    g.set_defaults(func=_cmd_generate)
+
+    from pagedllm.entrypoints.openai.api_server import add_serve_parser
+
+    add_serve_parser(sub)
+    try:
+        from pagedllm.benchmarks.cli import add_bench_parser
+    except ImportError:
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return ns.func(ns) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""``POST /v1/chat/completions``.
+
+The conversation is rendered with the model's chat template (or ``--chat-template``, or the request's
+``chat_template``) and tokenized without adding special tokens (the template writes them), the same path
+``/tokenize`` takes for ``messages``, so ``usage.prompt_tokens`` equals its ``count``.
+
+Stream chunks (``object: "chat.completion.chunk"``, one choice per chunk, the same ``id`` throughout):
+first, for each choice, ``delta: {"role": "assistant", "content": ""}``; then ``delta: {"content": ...}`` chunks;
+``finish_reason`` is non-null in exactly one chunk per choice (the one with its last text); with
+``stream_options.include_usage`` a last chunk with ``"choices": []`` and ``usage``; then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional, Union
+
+import jinja2
+
+from pagedllm.engine.llm_engine import ProcessedPrompt
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatLogProbs,
+    ChatMessage,
+    ChatResponseMessage,
+    UsageInfo,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    OpenAIServingError,
+    bad_request,
+    chat_logprobs,
+    merge_async_iterators,
+    prompt_logprobs_json,
+    sse,
+    sse_error,
+    usage_dict,
+)
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import apply_chat_template
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine, served_model_names, chat_template: Optional[str] = None) -> None:
+        super().__init__(engine, served_model_names)
+        self.chat_template = chat_template if chat_template is not None else engine.config.model.chat_template
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, chat_template: Optional[str] = None,
+               chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> str:
+        """The prompt text of a conversation. Raises OpenAIServingError (400) for a bad conversation/template."""
+        if not messages:
+            raise OpenAIServingError("messages must not be empty.", 400, param="messages", code="invalid_value")
+        msgs = []
+        for m in messages:
+            d = m.model_dump(exclude_none=True)
+            if d["role"] == "developer":  # OpenAI's newer name for the system turn
+                d["role"] = "system"
+            d.setdefault("content", "")
+            msgs.append(d)
+        try:
+            return apply_chat_template(self.tokenizer, msgs, chat_template=chat_template or self.chat_template,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, tools=tools,
+                                       **(chat_template_kwargs or {}))
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise OpenAIServingError(f"chat template failed: {e}", 400, param="messages",
+                                     code="invalid_value") from None
+
+    def tokenize_messages(self, messages, add_generation_prompt=True, continue_final_message=False,
+                          chat_template=None, chat_template_kwargs=None, tools=None,
+                          add_special_tokens: bool = False) -> list[int]:
+        text = self.render(messages, add_generation_prompt, continue_final_message, chat_template,
+                           chat_template_kwargs, tools)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def prepare(self, req: ChatCompletionRequest) -> tuple[ProcessedPrompt, SamplingParams]:
+        add_gen = req.add_generation_prompt and not req.continue_final_message
+        ids = self.tokenize_messages(req.messages, add_gen, req.continue_final_message, req.chat_template,
+                                     req.chat_template_kwargs, req.tools)
+        try:
+            pp = self.engine.process_prompt(ids)
+            sp = req.to_sampling_params(self.max_model_len, len(pp.prompt_token_ids))
+            self.engine.validate_params(sp, len(pp.prompt_token_ids))
+        except ValueError as e:
+            raise bad_request(e, prompt_param="messages") from None
+        return pp, sp
+
+    async def create_chat_completion(self, req: ChatCompletionRequest
+                                     ) -> Union[ChatCompletionResponse, AsyncIterator[str]]:
+        """A ``ChatCompletionResponse``, or (``stream``) an async iterator of SSE strings.
+
+        Raises:
+            OpenAIServingError: 400 (validation), 404 (model), 503 (engine dead), before anything runs.
+        """
+        model = self.check_model(req.model)
+        self.check_engine()
+        pp, sp = self.prepare(req)
+        request_id = random_id("chatcmpl")
+        created = int(time.time())
+        gen = self.engine.generate(pp, sp, request_id)
+        if req.stream:
+            return self._stream(req, model, request_id, created, gen)
+        final = None
+        async for _, ro in merge_async_iterators([gen]):
+            final = ro
+        num_top = req.top_logprobs or 0
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = None
+            if req.logprobs and c.logprobs is not None:
+                logprobs = ChatLogProbs(**chat_logprobs(c.token_ids, c.logprobs, num_top, self.tokenizer))
+            choices.append(ChatCompletionResponseChoice(
+                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage = usage_dict(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
+                           final.num_cached_tokens)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=model, choices=choices, usage=UsageInfo(**usage),
+            prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None
+            else None)
+
+    async def _stream(self, req: ChatCompletionRequest, model: str, request_id: str, created: int,
+                      gen) -> AsyncIterator[str]:
+        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason, "stop_reason": stop_reason}]})
+
+        num_top = req.top_logprobs or 0
+        num_prompt = num_completion = num_cached = 0
+        try:
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for _, ro in merge_async_iterators([gen]):
+                num_prompt = len(ro.prompt_token_ids)
+                num_cached = ro.num_cached_tokens
+                for c in ro.outputs:
+                    num_completion += len(c.token_ids)
+                    logprobs = None
+                    if req.logprobs and c.logprobs:
+                        logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top, self.tokenizer)
+                    if not c.text and c.finish_reason is None and logprobs is None:
+                        continue
+                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    yield chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)
+            if req.include_usage:
+                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [], "usage": usage_dict(num_prompt, num_completion, num_cached)})
+        except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
+            yield sse_error(e)
+        yield SSE_DONE

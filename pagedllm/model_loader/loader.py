@@ -1,0 +1,34 @@
+"""Building a model from a ``ModelConfig``: pick the class, construct it in the model dtype, load the weights."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.model_loader.gguf_loader import iterate_gguf_weights
+from pagedllm.model_loader.hf_config import is_gguf_file
+from pagedllm.model_loader.safetensors_loader import iterate_safetensors_weights
+from pagedllm.models.registry import get_model_class
+
+
+def iterate_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` pairs from a GGUF file (dequantized to ``dtype``) or an HF folder (checkpoint dtype)."""
+    if is_gguf_file(path):
+        return iterate_gguf_weights(path, dtype)
+    return iterate_safetensors_weights(path)
+
+
+def load_model(model_config: Any) -> nn.Module:
+    """The model of ``model_config`` (a ``pagedllm.config.ModelConfig``), weights loaded, in eval mode, no grads.
+
+    Raises:
+        ValueError: for an unsupported architecture or weights that don't fit the model.
+    """
+    cls = get_model_class(model_config.architecture)
+    model = cls(model_config.hf_config, model_config.dtype, max_model_len=model_config.max_model_len)
+    model.load_weights(iterate_weights(model_config.model, model_config.dtype))
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,306 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one plain module over flattened tokens.
+
+The families differ only by config flags:
+
+| flag | Llama | Mistral | Qwen2 | Qwen3 |
+|---|---|---|---|---|
+| q/k/v bias | ``attention_bias`` (also on o_proj) | no | yes | ``attention_bias`` (also on o_proj) |
+| q/k RMSNorm per head, before RoPE | no | no | no | yes |
+| sliding window | no | ``sliding_window`` (all layers) | ``use_sliding_window`` + ``layer_types`` | as Qwen2 |
+| tied embeddings, rope scaling, head_dim | config | config | config | config |
+
+One step computes ``T`` tokens from any number of requests: ``input_ids [T]``, ``positions [T]``; the
+``AttentionMetadata`` says which rows belong to which request and where their K/V live in the paged cache.
+q/k/v and gate/up are fused into one matmul each; checkpoint names are mapped onto them by
+``STACKED_PARAMS_MAPPING``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.torch_attn import Attention, AttentionMetadata
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+# (fused parameter, checkpoint shard name, shard index): "…self_attn.k_proj.weight" fills rows
+# [q_size, q_size + kv_size) of "…self_attn.qkv_proj.weight"; biases the same way.
+STACKED_PARAMS_MAPPING: tuple[tuple[str, str, int], ...] = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+# Checkpoint entries that are not parameters here (old HF checkpoints saved the rotary buffer).
+IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    # Parameters are overwritten by load_weights: skip the random init (seconds for a large model).
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        sliding_window: Optional[int],
+        dtype: torch.dtype,
+        qk_norm_eps: Optional[float] = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qkv_proj = _linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.o_proj = _linear(self.q_size, hidden_size, o_bias, dtype)
+        self.attn = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=sliding_window)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:  # Qwen3: RMSNorm over head_dim of each q / k head
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(T, -1, self.head_dim)  # [T, H + KVH, D]
+        if self.q_norm is not None:
+            H = self.num_heads
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k at once
+        q = qk[:, : self.num_heads].flatten(1)  # [T, q_size] (a view)
+        k = qk[:, self.num_heads :].flatten(1)  # [T, kv_size]
+        v = qkv[:, qk_size:]
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = _linear(hidden_size, 2 * intermediate_size, bias, dtype)
+        self.gate_up_proj.output_sizes = (intermediate_size, intermediate_size)
+        self.down_proj = _linear(intermediate_size, hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, attn: LlamaAttention, mlp: LlamaMLP, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pre-norm block; `residual` carries the stream so each norm also does the preceding add.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: Optional[int]) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        num_heads = cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(cfg, "head_dim", None) or hidden // num_heads
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        model_type = getattr(cfg, "model_type", "llama")
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = attention_bias or model_type == "qwen2"
+        o_bias = attention_bias  # Llama's attention_bias covers o_proj; Qwen2 has q/k/v bias only
+        mlp_bias = bool(getattr(cfg, "mlp_bias", False))
+        qk_norm_eps = cfg.rms_norm_eps if model_type == "qwen3" else None
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and getattr(cfg, "use_sliding_window", True) is False:
+            window = None
+        layer_types = getattr(cfg, "layer_types", None)
+        windowed = [
+            window is not None and (layer_types is None or layer_types[i] == "sliding_attention")
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.sliding_window: Optional[int] = int(window) if any(windowed) else None
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, hidden, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, cfg.max_position_embeddings, rope_parameters(cfg), max_positions=max_positions, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                LlamaAttention(
+                    hidden,
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                    qkv_bias,
+                    o_bias,
+                    self.sliding_window if windowed[i] else None,
+                    dtype,
+                    qk_norm_eps,
+                ),
+                LlamaMLP(hidden, cfg.intermediate_size, mlp_bias, dtype),
+                hidden,
+                cfg.rms_norm_eps,
+                dtype,
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions)  # shared by all layers
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 decoder.
+
+    Args:
+        hf_config: a ``transformers`` config (Llama/Mistral/Qwen2/Qwen3Config or one with the same fields).
+        dtype: parameter and activation dtype (norms and rotary tables are computed in float32 first, as in HF).
+        max_model_len: positions to cache rotary tables for, at least ``max_position_embeddings``
+            (times ``factor`` for linear/dynamic rope scaling).
+    """
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, dtype, max_model_len)
+        self.vocab_size = hf_config.vocab_size
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens  # the same Parameter; compute_logits reads .weight
+        else:
+            self.lm_head = _linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        self.sliding_window: Optional[int] = self.model.sliding_window
+        # fused parameter name -> row counts of its shards, for load_weights
+        self._shard_sizes: dict[str, tuple[int, ...]] = {}
+        for mod_name, mod in self.named_modules():
+            sizes = getattr(mod, "output_sizes", None)
+            if sizes is not None:
+                for p_name, _ in mod.named_parameters(recurse=False):
+                    self._shard_sizes[f"{mod_name}.{p_name}"] = tuple(sizes)
+
+    def kv_cache_spec(self) -> list[tuple[int, int]]:
+        """``(num_kv_heads, head_dim)`` of each layer's KV cache, in layer order."""
+        return [(self.model.num_kv_heads, self.model.head_dim)] * len(self.model.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """-> hidden states [T, hidden] (after the final norm)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return F.linear(hidden_states, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (HF names, any float dtype) into the parameters.
+
+        Raises:
+            ValueError: for an unknown name, a shape mismatch, or parameters the checkpoint didn't fill.
+        """
+        params = dict(self.named_parameters())
+        expected: set[tuple[str, int]] = set()
+        for name in params:
+            n_shards = len(self._shard_sizes.get(name, (None,)))
+            expected.update((name, i) for i in range(n_shards))
+        loaded: set[tuple[str, int]] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints still store a copy
+            target, shard = name, None
+            for fused, shard_name, shard_id in STACKED_PARAMS_MAPPING:
+                if f".{shard_name}." in name:
+                    target, shard = name.replace(f".{shard_name}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+            dest = param.data
+            if shard is not None:
+                sizes = self._shard_sizes[target]
+                dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if dest.shape != tensor.shape:
+                raise ValueError(f"weight {name!r}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add((target, shard or 0))
+        missing = sorted({name for name, _ in expected - loaded})
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}"
+                             + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding window (from ``config.sliding_window``)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v biases (and an optional per-layer sliding window)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with RMSNorm on each q/k head before RoPE (and an optional per-layer sliding window)."""

@@ -1,0 +1,261 @@
+"""AsyncLLM and the HTTP layer over a fake engine (no model, runs in a second): streaming, FINAL_ONLY merging,
+aborts, no busy-wait when idle, engine-thread crash -> errors + /health 503 + in-stream error event, API key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class FakeTokenizer:
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 90 + 5 for c in text]
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.decode([i]) for i in ids]
+
+    def apply_chat_template(self, messages, chat_template=None, tokenize=False, **kwargs):
+        return "".join(m["content"] for m in messages)
+
+
+class FakeEngine:
+    """Each request emits token ``10 + i`` at its i-th step (one per step) until ``max_tokens``.
+
+    ``crash_at_step`` makes ``step`` raise; ``gate`` (an Event), when set up, must be set for a step to run.
+    Uses the real ``LLMEngine.process_prompt`` / ``validate_params``.
+    """
+
+    process_prompt = LLMEngine.process_prompt
+    validate_params = LLMEngine.validate_params
+
+    def __init__(self, crash_at_step=None, step_s=0.002):
+        self.config = SimpleNamespace(
+            model=SimpleNamespace(served_model_name="fake", max_model_len=64, vocab_size=100, max_logprobs=5,
+                                  chat_template=None, model="/fake", dtype="float32"),
+            cache=SimpleNamespace(block_size=16))
+        self.tokenizer = FakeTokenizer()
+        self.engine_core = self
+        self.num_blocks = 8
+        self.reqs = {}
+        self.added, self.aborted = [], []
+        self.num_steps = 0
+        self.crash_at_step = crash_at_step
+        self.step_s = step_s
+        self.thread_ids = set()
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None):
+        self.thread_ids.add(threading.get_ident())
+        if request_id in self.reqs:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        self.added.append(request_id)
+        self.reqs[request_id] = (prompt, params, [], arrival_time)
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        r = self.reqs.pop(request_id, None)
+        if r is None:
+            return []
+        return [self._output(request_id, r, [], "abort")]
+
+    def _output(self, rid, r, new, finish):
+        prompt, params, toks, arrival = r
+        return RequestOutput(rid, prompt.prompt, prompt.prompt_token_ids, None,
+                             [CompletionOutput(0, self.tokenizer.decode(new), list(new), finish_reason=finish)],
+                             finished=finish is not None, metrics=RequestMetrics(arrival_time=arrival))
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        self.num_steps += 1
+        if self.crash_at_step is not None and self.num_steps >= self.crash_at_step:
+            raise RuntimeError("boom")
+        time.sleep(self.step_s)
+        outs = []
+        for rid, r in list(self.reqs.items()):
+            toks = r[2]
+            toks.append(10 + len(toks))
+            finish = "length" if len(toks) >= r[1].max_tokens else None
+            outs.append(self._output(rid, r, [toks[-1]], finish))
+            if finish:
+                del self.reqs[rid]
+        return outs
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def make_stats(self):
+        return SchedulerStats(num_running_reqs=len(self.reqs), kv_cache_usage=0.1 * len(self.reqs))
+
+    def reset_prefix_cache(self):
+        return True
+
+
+def _params(max_tokens=5, kind=RequestOutputKind.DELTA):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, output_kind=kind)
+
+
+def test_stream_deltas_and_final_only():
+    eng = FakeEngine()
+    llm = AsyncLLM(eng)
+
+    async def main():
+        deltas = [o async for o in llm.generate("abc", _params(5), "r1")]
+        finals = [o async for o in llm.generate("abc", _params(4, RequestOutputKind.FINAL_ONLY), "r2")]
+        return deltas, finals
+
+    deltas, finals = asyncio.run(main())
+    toks = [t for o in deltas for t in o.outputs[0].token_ids]
+    assert toks == [10, 11, 12, 13, 14]
+    assert [o.finished for o in deltas][-1] and not any(o.finished for o in deltas[:-1])
+    assert len(finals) == 1 and finals[0].outputs[0].token_ids == [10, 11, 12, 13]
+    assert finals[0].outputs[0].finish_reason == "length"
+    assert eng.thread_ids == {llm._thread.ident}  # only the engine thread touched the engine
+    llm.shutdown()
+
+
+def test_validation_fails_in_caller_before_queueing():
+    eng = FakeEngine()
+    llm = AsyncLLM(eng)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_tokens"):
+            async for _ in llm.generate("abc", _params(1000), "r1"):
+                pass
+        with pytest.raises(ValueError, match="prompt"):
+            async for _ in llm.generate("", _params(2), "r2"):
+                pass
+
+    asyncio.run(main())
+    time.sleep(0.05)
+    assert eng.added == []
+    llm.shutdown()
+
+
+def test_close_aborts_and_idle_thread_sleeps():
+    eng = FakeEngine(step_s=0.01)
+    llm = AsyncLLM(eng)
+
+    async def main():
+        gen = llm.generate("abc", _params(50), "r1")
+        async for out in gen:
+            break
+        await gen.aclose()
+        for _ in range(100):
+            if "r1" in eng.aborted:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert eng.aborted == ["r1"] and not eng.reqs
+    steps = eng.num_steps
+    time.sleep(0.3)
+    assert eng.num_steps == steps  # no stepping (or spinning through step) while idle
+    text = llm.metrics.registry.get_sample_value("pagedllm:num_requests_running", {"model_name": "fake"})
+    assert text == 0.0
+    assert llm.metrics.registry.get_sample_value(
+        "pagedllm:request_success_total", {"model_name": "fake", "finished_reason": "abort"}) == 1.0
+    llm.shutdown()
+
+
+def test_metrics_count_tokens_and_latencies():
+    eng = FakeEngine()
+    llm = AsyncLLM(eng)
+
+    async def main():
+        await asyncio.gather(*[_drain(llm.generate("abcd", _params(6), f"r{i}")) for i in range(3)])
+
+    asyncio.run(main())
+    reg = llm.metrics.registry
+    lab = {"model_name": "fake"}
+    assert reg.get_sample_value("pagedllm:generation_tokens_total", lab) == 18
+    assert reg.get_sample_value("pagedllm:prompt_tokens_total", lab) == 12
+    assert reg.get_sample_value("pagedllm:time_to_first_token_seconds_count", lab) == 3
+    assert reg.get_sample_value("pagedllm:inter_token_latency_seconds_count", lab) == 15
+    assert reg.get_sample_value("pagedllm:e2e_request_latency_seconds_count", lab) == 3
+    assert reg.get_sample_value("pagedllm:request_success_total", {**lab, "finished_reason": "length"}) == 3
+    llm.shutdown()
+
+
+async def _drain(gen):
+    return [o async for o in gen]
+
+
+def test_engine_crash_fails_requests_and_refuses_new():
+    eng = FakeEngine(crash_at_step=3)
+    llm = AsyncLLM(eng)
+
+    async def main():
+        results = await asyncio.gather(*[_drain(llm.generate("abc", _params(20), f"r{i}")) for i in range(3)],
+                                       return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert llm.is_dead
+        with pytest.raises(EngineDeadError):
+            await _drain(llm.generate("abc", _params(2), "late"))
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP layer
+def _client(llm, api_key=None):
+    app = build_app(llm, api_key=api_key, shutdown_engine=False)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def test_http_crash_mid_stream_sends_error_event_then_done_and_health_503():
+    eng = FakeEngine(crash_at_step=4, step_s=0.01)
+    llm = AsyncLLM(eng)
+
+    async def main():
+        async with _client(llm) as c:
+            assert (await c.get("/health")).status_code == 200
+            r = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 20, "stream": True})
+            assert r.status_code == 200
+            events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert set(err) == {"message", "type", "param", "code"} and "boom" in err["message"]
+            assert any("choices" in json.loads(e) for e in events[:-2])  # it had started streaming
+            h = await c.get("/health")
+            assert h.status_code == 503 and h.json()["error"]["code"] == "engine_dead"
+            r = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+            assert r.status_code == 503 and "error" in r.json()
+
+    asyncio.run(main())
+
+
+def test_http_api_key():
+    llm = AsyncLLM(FakeEngine())
+
+    async def main():
+        async with _client(llm, api_key="sekret") as c:
+            r = await c.get("/v1/models")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401
+            r = await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake"
+            r = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3},
+                             headers={"Authorization": "Bearer sekret"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            assert (await c.get("/health")).status_code == 200  # only /v1/* is guarded
+
+    asyncio.run(main())
+    llm.shutdown()
