@@ -127,7 +127,7 @@ def test_stream_deltas_and_final_only():
     assert [o.finished for o in deltas][-1] and not any(o.finished for o in deltas[:-1])
     assert len(finals) == 1 and finals[0].outputs[0].token_ids == [10, 11, 12, 13]
     assert finals[0].outputs[0].finish_reason == "length"
-    assert eng.thread_ids == {llm._thread.ident}  # only the engine thread touched the engine
+    assert eng.thread_ids == {llm._backend.thread.ident}  # only the engine thread touched the engine
     llm.shutdown()
 
 

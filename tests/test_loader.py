@@ -255,8 +255,9 @@ def test_synthetic_gguf_weights_config_and_logits(arch, tmp_path):
     ours_cfg = load_hf_config(path)
     assert type(ours_cfg) is type(cfg)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "head_dim"):
-        assert getattr(ours_cfg, field, None) == getattr(cfg, field, None) or field == "head_dim" and arch == "qwen2", field
+                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(ours_cfg, field) == getattr(cfg, field), field
+    assert ours_cfg.head_dim == (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     assert ours_cfg.rms_norm_eps == cfg.rms_norm_eps  # float32 in the file, shortest decimal back
     assert ours_cfg.rope_parameters["rope_theta"] == cfg.rope_parameters["rope_theta"]
     assert get_architecture(ours_cfg) == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

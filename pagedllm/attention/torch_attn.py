@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.cpu_kernels import paged_decode
+
 
 @dataclass
 class PrefillSlice:
@@ -40,6 +42,7 @@ class DecodeBatch:
     mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool (True = attend)
     mask_windowed: Optional[torch.Tensor] = None
     all_rows: bool = False  # True when every token of the batch is a decode token (rows are 0..n-1)
+    seq_lens: Optional[torch.Tensor] = None  # [num_decode] int64
 
 
 @dataclass
@@ -105,7 +108,8 @@ def build_attention_metadata(
         mask_w = None
         if sliding_window is not None:
             mask_w = mask & (ctx[None, :] > (sl[:, None] - 1 - sliding_window))[:, None, None, :]
-        decode = DecodeBatch(token_rows=rows, block_tables=bt, mask=mask, mask_windowed=mask_w, all_rows=all_rows)
+        decode = DecodeBatch(token_rows=rows, block_tables=bt.contiguous(), mask=mask, mask_windowed=mask_w,
+                             all_rows=all_rows, seq_lens=sl)
     prefills = []
     for i, q in enumerate(query_lens):
         if q == 1:
@@ -184,28 +188,31 @@ class Attention(torch.nn.Module):
         windowed = self.sliding_window is not None
         out = torch.empty_like(q)
         dec = meta.decode
+        if dec is not None and paged_decode(q, k_cache, v_cache, dec.block_tables, dec.seq_lens,
+                                            None if dec.all_rows else dec.token_rows, out, self.scale,
+                                            self.sliding_window):
+            dec = None  # done by the C kernel, straight from the paged cache
         if dec is not None:
             n = dec.token_rows.shape[0]
             qd = q if dec.all_rows else q.index_select(0, dec.token_rows)
-            kd = k_cache[dec.block_tables].view(n, -1, KVH, D).transpose(1, 2)  # [n, KVH, ctx, D]
-            vd = v_cache[dec.block_tables].view(n, -1, KVH, D).transpose(1, 2)
+            # index_select over whole blocks copies contiguous block_size*KVH*D runs (much faster than
+            # advanced indexing); the result is the padded context [n, ctx, KVH, D].
+            flat_bt = dec.block_tables.reshape(-1)
+            kd = k_cache.index_select(0, flat_bt).view(n, -1, KVH, D).transpose(1, 2)  # [n, KVH, ctx, D]
+            vd = v_cache.index_select(0, flat_bt).view(n, -1, KVH, D).transpose(1, 2)
             mask = dec.mask_windowed if windowed else dec.mask
             od = F.scaled_dot_product_attention(
                 qd.view(n, H, 1, D), kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa
             )  # [n, H, 1, D]
-            od = od.view(n, H, D)
-            if dec.all_rows:
-                out = od
-            else:
-                out.index_copy_(0, dec.token_rows, od)
+            out.index_copy_(0, dec.token_rows, od.view(n, H, D))
         for p in meta.prefills:
             qp = q[p.q_start : p.q_end].transpose(0, 1)  # [H, q_len, D]
             if p.block_ids is None:
                 kp = k[p.q_start : p.q_end].transpose(0, 1)
                 vp = v[p.q_start : p.q_end].transpose(0, 1)
             else:
-                kp = k_cache[p.block_ids].view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
-                vp = v_cache[p.block_ids].view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
+                kp = k_cache.index_select(0, p.block_ids).view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
+                vp = v_cache.index_select(0, p.block_ids).view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
             mask = p.mask_windowed if windowed else p.mask
             if mask is None:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=self.gqa)

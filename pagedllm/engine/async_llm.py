@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 import threading
 import time
@@ -98,38 +99,263 @@ class RequestOutputCollector:
         return out
 
 
+# ---------------------------------------------------------------------------------------------------- engine side
+# Messages into the engine loop: ("add", request_id, ProcessedPrompt, SamplingParams, arrival_time, cache_salt),
+# ("abort", request_id), ("call", method_name, args, call_id). Messages out of it (to ``AsyncLLM._on_engine``):
+# ("step", outputs, SchedulerStats, time), ("add_error", request_id, exc), ("result", call_id, result, exc).
+_CALLABLE = frozenset({"reset_prefix_cache"})
+
+
+def _engine_loop(engine: LLMEngine, get_inbox: Callable[[bool, float], Optional[list]],
+                 emit: Callable[[tuple], None]) -> None:
+    """Runs until ``get_inbox`` returns None (stop). ``get_inbox(block, timeout)``: with ``block``, wait until a
+    message (or stop) arrives; else wait at most ``timeout`` s (0: don't wait) and return what is there."""
+    backoff = 0.0
+    while True:
+        idle = not engine.has_unfinished_requests()
+        inbox = get_inbox(idle, backoff)
+        if inbox is None:
+            return
+        outputs: list[RequestOutput] = []
+        for item in inbox:
+            kind = item[0]
+            if kind == "add":
+                _, rid, pp, params, arrival, salt = item
+                try:
+                    engine.add_request(rid, pp, params, arrival_time=arrival, cache_salt=salt)
+                except ValueError as e:
+                    emit(("add_error", rid, e))
+            elif kind == "abort":
+                outputs.extend(engine.abort_request(item[1]))
+            elif kind == "call":
+                _, name, args, call_id = item
+                try:
+                    if name not in _CALLABLE:
+                        raise ValueError(f"engine method {name!r} can't be called remotely")
+                    result, exc = getattr(engine, name)(*args), None
+                except Exception as e:  # noqa: BLE001 - the caller gets it; the engine is fine
+                    result, exc = None, e
+                emit(("result", call_id, result, exc))
+        backoff = 0.0
+        if engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            step_outputs = engine.step()
+            if not step_outputs and time.perf_counter() - t0 < _EMPTY_STEP_S:
+                backoff = _EMPTY_STEP_BACKOFF_S
+            outputs.extend(step_outputs)
+        emit(("step", outputs, engine.engine_core.make_stats(), time.time()))
+
+
+class _ThreadBackend:
+    """The engine loop in a thread of this process; the inbox is a list guarded by a Condition."""
+
+    def __init__(self, engine: LLMEngine, on_message: Callable[[tuple], None],
+                 on_dead: Callable[[EngineDeadError], None]) -> None:
+        self.engine = engine
+        self.num_kv_blocks = engine.engine_core.num_blocks
+        self._cond = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._stopping = False
+        self._on_message = on_message
+        self._on_dead = on_dead
+        self.thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, item: tuple) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    def _get_inbox(self, block: bool, timeout: float) -> Optional[list]:
+        with self._cond:
+            if block:
+                while not self._inbox and not self._stopping:
+                    self._cond.wait()
+            elif timeout and not self._inbox and not self._stopping:
+                self._cond.wait(timeout)
+            if self._stopping:
+                return None
+            inbox, self._inbox = self._inbox, []
+            return inbox
+
+    def _run(self) -> None:
+        try:
+            _engine_loop(self.engine, self._get_inbox, self._on_message)
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine; tell everyone
+            logger.exception("engine thread crashed")
+            err = EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._on_dead(err)
+            return
+        self._on_dead(EngineDeadError("the engine was shut down"))
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def shutdown(self, timeout: float) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+
+def _engine_process_main(config, requests, replies) -> None:
+    """Child process: builds the engine from ``config`` and runs the loop over two pipes."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        replies.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    replies.send(("ready", engine.engine_core.num_blocks))
+
+    def get_inbox(block: bool, timeout: float) -> Optional[list]:
+        items = []
+        if block or timeout:
+            if not requests.poll(None if block else timeout):
+                return items
+        while requests.poll(0):
+            item = requests.recv()
+            if item[0] == "stop":
+                return None
+            items.append(item)
+        return items
+
+    try:
+        _engine_loop(engine, get_inbox, replies.send)
+    except EOFError:
+        return  # the parent is gone
+    except BaseException as e:  # noqa: BLE001
+        logger.exception("engine process crashed")
+        try:
+            replies.send(("dead", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+
+
+class _ProcessBackend:
+    """The engine loop in a child process (spawned: no forked torch state). Requests go down one pipe; a reader
+    thread here receives step outputs from the other and hands them to ``on_message``."""
+
+    def __init__(self, config, on_message: Callable[[tuple], None],
+                 on_dead: Callable[[EngineDeadError], None]) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        req_r, self._req_w = ctx.Pipe(duplex=False)
+        self._rep_r, rep_w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_engine_process_main, args=(config, req_r, rep_w), name="pagedllm-engine",
+                                daemon=True)
+        self.proc.start()
+        req_r.close()
+        rep_w.close()
+        try:
+            msg = self._rep_r.recv()
+        except EOFError:
+            msg = ("failed", f"exit code {self.proc.exitcode}")
+        if msg[0] != "ready":
+            self.proc.join(5)
+            raise RuntimeError(f"the engine process failed to start: {msg[1]}")
+        self.num_kv_blocks = msg[1]
+        self._send_lock = threading.Lock()
+        self._on_message = on_message
+        self._on_dead = on_dead
+        self._stopping = False
+        self.thread = threading.Thread(target=self._read, name="pagedllm-engine-reader", daemon=True)
+        self.thread.start()
+
+    def submit(self, item: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._req_w.send(item)
+        except OSError:
+            pass  # the child is gone; the reader reports it
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._rep_r.recv()
+                if msg[0] == "dead":
+                    self._on_dead(EngineDeadError(f"the engine stopped: {msg[1]}"))
+                    return
+                self._on_message(msg)
+        except (EOFError, OSError):
+            reason = "was shut down" if self._stopping else f"process exited ({self.proc.exitcode})"
+            self._on_dead(EngineDeadError(f"the engine {reason}"))
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive() and self.thread.is_alive()
+
+    def shutdown(self, timeout: float) -> None:
+        self._stopping = True
+        self.submit(("stop",))
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+
+
+class _Frontend:
+    """What the caller side needs from the engine in process mode: config, tokenizer, prompt validation."""
+
+    process_prompt = LLMEngine.process_prompt
+    validate_params = LLMEngine.validate_params
+
+    def __init__(self, config) -> None:
+        from pagedllm.tokenizer import get_tokenizer
+
+        self.config = config
+        self.tokenizer = get_tokenizer(config.model.tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------- caller side
 class AsyncLLM:
-    """Async front of an ``LLMEngine`` whose loop runs in a background thread.
+    """Async front of an ``LLMEngine`` whose loop runs beside the event loop.
 
     Args:
-        engine: the ``LLMEngine`` to drive; from now on only the engine thread may call its mutating methods.
+        engine: run this ``LLMEngine`` in a background thread (from now on only that thread may mutate it).
         log_stats: keep Prometheus metrics (``self.metrics``, an ``EngineMetrics`` with its own registry).
+        config: instead of ``engine``: an ``EngineConfig``; the engine is built and run in a child process.
     """
 
-    def __init__(self, engine: LLMEngine, log_stats: bool = True) -> None:
-        self.engine = engine
-        self.config = engine.config
-        self.tokenizer = engine.tokenizer
+    def __init__(self, engine: Optional[LLMEngine] = None, log_stats: bool = True, *, config=None) -> None:
+        if (engine is None) == (config is None):
+            raise ValueError("give either engine (thread mode) or config (process mode)")
+        self.engine = engine if engine is not None else _Frontend(config)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.engine_mode = "thread" if engine is not None else "process"
         self.metrics = None
         if log_stats:
             from pagedllm.metrics import EngineMetrics
 
-            mc = engine.config.model
+            mc = self.config.model
             self.metrics = EngineMetrics(mc.served_model_name, mc.max_model_len)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._collectors: dict[str, RequestOutputCollector] = {}
-        self._cond = threading.Condition()
-        self._inbox: list[tuple] = []
-        self._stopping = False
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
         self._dead: Optional[EngineDeadError] = None
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        if engine is not None:
+            self._backend = _ThreadBackend(engine, self._on_engine, self._on_dead)
+        else:
+            self._backend = _ProcessBackend(config, self._on_engine, self._on_dead)
 
     @classmethod
-    def from_engine_args(cls, args, log_stats: bool = True) -> "AsyncLLM":
+    def from_engine_args(cls, args, log_stats: bool = True, engine_mode: str = "thread") -> "AsyncLLM":
+        """``engine_mode``: "thread" (the engine steps in a thread of this process) or "process" (a child)."""
+        if engine_mode == "process":
+            return cls(config=args.create_engine_config(), log_stats=log_stats)
+        if engine_mode != "thread":
+            raise ValueError(f"engine_mode must be 'thread' or 'process', got {engine_mode!r}.")
         return cls(LLMEngine.from_engine_args(args), log_stats=log_stats)
 
     # ------------------------------------------------------------------ state
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._backend.num_kv_blocks
+
     @property
     def is_dead(self) -> bool:
         return self._dead is not None
@@ -139,11 +365,11 @@ class AsyncLLM:
         return self._dead
 
     def check_health(self) -> None:
-        """Raises ``EngineDeadError`` if the engine thread is not running."""
+        """Raises ``EngineDeadError`` if the engine loop is not running."""
         if self._dead is not None:
             raise self._dead
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread is not running")
+        if not self._backend.is_alive():
+            raise EngineDeadError("the engine is not running")
 
     @property
     def num_in_flight(self) -> int:
@@ -166,11 +392,6 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is bound to another event loop")
         return loop
 
-    def _submit(self, item: tuple) -> None:
-        with self._cond:
-            self._inbox.append(item)
-            self._cond.notify()
-
     async def generate(
         self,
         prompt: PromptType | ProcessedPrompt,
@@ -186,7 +407,7 @@ class AsyncLLM:
 
         Raises:
             ValueError: bad prompt or parameters (before anything is queued), or a duplicate ``request_id``.
-            EngineDeadError: the engine thread stopped.
+            EngineDeadError: the engine stopped.
         """
         self._bind_loop()
         if self._dead is not None:
@@ -201,7 +422,7 @@ class AsyncLLM:
         arrival_time = time.time() if arrival_time is None else arrival_time
         collector = RequestOutputCollector(kind)
         self._collectors[request_id] = collector
-        self._submit(("add", request_id, pp, engine_params, arrival_time, cache_salt))
+        self._backend.submit(("add", request_id, pp, engine_params, arrival_time, cache_salt))
         finished = False
         total: Optional[RequestOutput] = None
         try:
@@ -219,35 +440,63 @@ class AsyncLLM:
             if not finished:
                 self._collectors.pop(request_id, None)
                 if self._dead is None:
-                    self._submit(("abort", request_id))
+                    self._backend.submit(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request (its generator, if still iterated, then waits forever: prefer closing it)."""
         self._bind_loop()
         self._collectors.pop(request_id, None)
-        self._submit(("abort", request_id))
+        self._backend.submit(("abort", request_id))
 
-    async def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Runs ``fn(engine)`` on the engine thread between two steps and returns its result."""
+    async def call_in_engine(self, method: str, *args: Any) -> Any:
+        """Runs ``engine.<method>(*args)`` in the engine loop between two steps and returns its result."""
         loop = self._bind_loop()
         if self._dead is not None:
             raise self._dead
-        fut = loop.create_future()
-        self._submit(("call", fn, fut))
-        return await fut
+        call_id = next(self._call_ids)
+        fut = self._calls[call_id] = loop.create_future()
+        self._backend.submit(("call", method, args, call_id))
+        try:
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.call_in_engine(lambda eng: eng.reset_prefix_cache())
+        return await self.call_in_engine("reset_prefix_cache")
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the engine thread (after its current step); in-flight requests get ``EngineDeadError``."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        """Stops the engine loop (after its current step); in-flight requests get ``EngineDeadError``."""
+        self._backend.shutdown(timeout)
 
-    # ------------------------------------------------------------------ event loop callbacks
+    # ------------------------------------------------------------------ engine side -> event loop
+    def _on_engine(self, msg: tuple) -> None:
+        """A message from the engine loop; runs on the engine thread (or the process backend's reader thread)."""
+        kind = msg[0]
+        if kind == "step":
+            _, outputs, stats, now = msg
+            if outputs:
+                self._post(self._deliver, outputs)
+            if self.metrics is not None:
+                self.metrics.record_outputs(outputs, now)
+                self.metrics.record_scheduler_stats(stats)
+        elif kind == "add_error":
+            self._post(self._fail, msg[1], msg[2])
+        elif kind == "result":
+            self._post(self._resolve_call, msg[1], msg[2], msg[3])
+
+    def _on_dead(self, err: EngineDeadError) -> None:
+        self._dead = err
+        self._post(self._fail_all, err)
+
+    def _post(self, fn: Callable, *args: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is left to tell
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         collectors = self._collectors
         for ro in outputs:
@@ -267,93 +516,16 @@ class AsyncLLM:
         collectors, self._collectors = self._collectors, {}
         for c in collectors.values():
             c.put(exc)
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
 
-    @staticmethod
-    def _set_future(fut: asyncio.Future, result: Any, exc: Optional[BaseException]) -> None:
-        if fut.done():
+    def _resolve_call(self, call_id: int, result: Any, exc: Optional[BaseException]) -> None:
+        fut = self._calls.get(call_id)
+        if fut is None or fut.done():
             return
         if exc is not None:
             fut.set_exception(exc)
         else:
             fut.set_result(result)
-
-    def _post(self, fn: Callable, *args: Any) -> None:
-        """Schedules ``fn(*args)`` on the event loop (from the engine thread)."""
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is left to tell
-
-    # ------------------------------------------------------------------ engine thread
-    def _process_inbox(self, inbox: list[tuple], outputs: list[RequestOutput]) -> None:
-        eng = self.engine
-        for item in inbox:
-            kind = item[0]
-            if kind == "add":
-                _, rid, pp, params, arrival, salt = item
-                try:
-                    eng.add_request(rid, pp, params, arrival_time=arrival, cache_salt=salt)
-                except ValueError as e:
-                    self._post(self._fail, rid, e)
-            elif kind == "abort":
-                outputs.extend(eng.abort_request(item[1]))
-            else:  # "call"
-                _, fn, fut = item
-                try:
-                    result, exc = fn(eng), None
-                except Exception as e:  # the caller gets it; the engine is fine
-                    result, exc = None, e
-                self._post(self._set_future, fut, result, exc)
-
-    def _run(self) -> None:
-        eng = self.engine
-        cond = self._cond
-        metrics = self.metrics
-        backoff = 0.0
-        try:
-            while True:
-                with cond:
-                    if backoff and not self._inbox and not self._stopping:
-                        cond.wait(backoff)
-                    while not self._inbox and not self._stopping and not eng.has_unfinished_requests():
-                        cond.wait()
-                    if self._stopping:
-                        break
-                    inbox, self._inbox = self._inbox, []
-                outputs: list[RequestOutput] = []
-                if inbox:
-                    self._process_inbox(inbox, outputs)
-                backoff = 0.0
-                if eng.has_unfinished_requests():
-                    t0 = time.perf_counter()
-                    step_outputs = eng.step()
-                    if not step_outputs and time.perf_counter() - t0 < _EMPTY_STEP_S:
-                        backoff = _EMPTY_STEP_BACKOFF_S
-                    outputs.extend(step_outputs)
-                if outputs:
-                    self._post(self._deliver, outputs)
-                if metrics is not None:
-                    metrics.record_outputs(outputs, time.time())
-                    metrics.record_scheduler_stats(eng.engine_core.make_stats())
-        except BaseException as e:  # noqa: BLE001 - any failure kills the engine; tell everyone
-            logger.exception("engine thread crashed")
-            err = EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}")
-            err.__cause__ = e
-            self._dead = err
-            self._post(self._fail_all, err)
-            self._fail_pending_calls(err)
-            return
-        err = EngineDeadError("the engine was shut down")
-        self._dead = err
-        self._post(self._fail_all, err)
-        self._fail_pending_calls(err)
-
-    def _fail_pending_calls(self, err: EngineDeadError) -> None:
-        with self._cond:
-            inbox, self._inbox = self._inbox, []
-        for item in inbox:
-            if item[0] == "call":
-                self._post(self._set_future, item[2], None, err)

@@ -127,7 +127,9 @@ def _yarn_inv_freq(dim: int, base: float, params: dict, max_position_embeddings:
     return inv_freq, attention_factor
 
 
-def _dynamic_inv_freq(head_dim: int, params: dict, max_position_embeddings: int, seq_lens: torch.Tensor) -> torch.Tensor:
+def _dynamic_inv_freq(
+    head_dim: int, params: dict, max_position_embeddings: int, seq_lens: torch.Tensor
+) -> torch.Tensor:
     """``[len(seq_lens), head_dim / 2]``: HF's dynamic-NTK frequencies for each sequence length (all > max)."""
     dim = head_dim
     factor = params["factor"]

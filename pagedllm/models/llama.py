@@ -285,7 +285,9 @@ class LlamaForCausalLM(nn.Module):
                 sizes = self._shard_sizes[target]
                 dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
             if dest.shape != tensor.shape:
-                raise ValueError(f"weight {name!r}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
             dest.copy_(tensor)
             loaded.add((target, shard or 0))
         missing = sorted({name for name, _ in expected - loaded})

@@ -275,6 +275,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                    help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are cut "
                         "(default 5).")
+    g.add_argument("--engine-mode", default="thread", choices=["thread", "process"],
+                   help="Where the engine loop runs: a thread beside the event loop (default), or a child process "
+                        "(outputs cross a pipe; the HTTP side then never competes with the step for the GIL).")
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
@@ -292,12 +295,12 @@ def run_server(ns: argparse.Namespace) -> int:
         args.model = ns.model
     t0 = time.perf_counter()
     try:
-        engine = AsyncLLM.from_engine_args(args)
-    except (ValueError, FileNotFoundError) as e:
+        engine = AsyncLLM.from_engine_args(args, engine_mode=ns.engine_mode)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         logger.error("cannot start: %s", e)
         return 2
     cfg = engine.config
-    num_blocks = engine.engine.engine_core.num_blocks
+    num_blocks = engine.num_kv_blocks
     dtype = str(cfg.model.dtype).replace("torch.", "")
     app = build_app(engine, api_key=ns.api_key)
 
@@ -316,9 +319,9 @@ def run_server(ns: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=ns.graceful_shutdown_timeout)
     server = _Server(config)
     logger.info("pagedllm serving model %s (%s) dtype=%s KV blocks=%d x %d tokens max_model_len=%d "
-                "at http://%s:%d (loaded in %.1f s)", cfg.model.served_model_name, cfg.model.model, dtype,
-                num_blocks, cfg.cache.block_size, cfg.model.max_model_len, ns.host, ns.port,
-                time.perf_counter() - t0)
+                "engine=%s at http://%s:%d (loaded in %.1f s)", cfg.model.served_model_name, cfg.model.model,
+                dtype, num_blocks, cfg.cache.block_size, cfg.model.max_model_len, engine.engine_mode, ns.host,
+                ns.port, time.perf_counter() - t0)
     server.run()
     engine.shutdown()
     logger.info("pagedllm server stopped")
