@@ -1,0 +1,113 @@
+"""Bad input raises ValueError naming the field, before anything reaches the engine, and never disturbs others."""
+
+import pytest
+import torch
+
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                   initializer_range=0.3)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
+               kv_cache_memory_bytes=1 << 20, max_logprobs=5)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-5), "max_tokens"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(stop=[""]), "stop"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+])
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ([], SamplingParams(max_tokens=4), "prompt"),
+    ([1, 2, VOCAB], SamplingParams(max_tokens=4), "prompt_token_ids"),
+    ([1, -1], SamplingParams(max_tokens=4), "prompt_token_ids"),
+    (list(range(1, 66)), SamplingParams(max_tokens=4), "max_model_len"),
+    (list(range(1, 61)), SamplingParams(max_tokens=10), "max_tokens"),
+    ([1, 2, 3], SamplingParams(max_tokens=4, logprobs=6), "logprobs"),
+    ([1, 2, 3], SamplingParams(max_tokens=4, prompt_logprobs=6), "prompt_logprobs"),
+    ([1, 2, 3], SamplingParams(max_tokens=4, logit_bias={VOCAB + 5: 1.0}), "logit_bias"),
+    ([1, 2, 3], SamplingParams(max_tokens=4, allowed_token_ids=[VOCAB]), "allowed_token_ids"),
+    ("text prompt", SamplingParams(max_tokens=4), "prompt"),
+])
+def test_engine_validation(tiny_llm, prompt, params, field):
+    eng = tiny_llm.llm_engine
+    with pytest.raises(ValueError, match=field):
+        tiny_llm.generate([{"prompt_token_ids": prompt}] if isinstance(prompt, list) else [prompt], params,
+                          use_tqdm=False)
+    assert not eng.has_unfinished_requests()
+
+
+def test_bad_request_in_batch_rejects_before_running(tiny_llm):
+    eng = tiny_llm.llm_engine
+    good = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError):
+        tiny_llm.generate([good, {"prompt_token_ids": [VOCAB + 1]}], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not eng.has_unfinished_requests()  # the good one was never queued either
+
+
+def test_bad_request_does_not_disturb_running_ones(tiny_llm):
+    eng = tiny_llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = tiny_llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    eng.add_request("good", {"prompt_token_ids": [3, 4, 5, 6]}, sp.clone())
+    eng.step()
+    for bad in ([VOCAB + 1], [], list(range(1, 70))):
+        with pytest.raises(ValueError):
+            eng.add_request("bad", {"prompt_token_ids": bad}, sp.clone())
+    with pytest.raises(ValueError):
+        eng.add_request("good", {"prompt_token_ids": [1]}, sp.clone())  # duplicate id
+    got = []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                got = o.outputs[0].token_ids
+    assert got == ref
+
+
+def test_unknown_engine_arg():
+    with pytest.raises(TypeError, match="bogus"):
+        LLM(bogus=1)
+
+
+def test_bad_engine_args(tmp_path):
+    from pagedllm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="block_size"):
+        EngineArgs(block_size=3).create_engine_config()
+    with pytest.raises(ValueError, match="dtype"):
+        EngineArgs(dtype="int3").create_engine_config()
+    with pytest.raises(FileNotFoundError):
+        EngineArgs(model=str(tmp_path / "nope.gguf")).create_engine_config()
+
+
+def test_kv_too_small_for_max_model_len(tiny_llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny_llm.with_engine_args(num_gpu_blocks_override=4, max_model_len=64)
