@@ -35,14 +35,31 @@ class PrefillSlice:
 
 @dataclass
 class DecodeBatch:
-    """All requests with exactly one query token, attended together."""
+    """All requests with exactly one query token, attended together.
+
+    The padded-context masks are only needed by the pure-torch path, so they are built on first use.
+    """
 
     token_rows: torch.Tensor  # [num_decode] int64: their rows in the flattened batch
     block_tables: torch.Tensor  # [num_decode, max_blocks] int64
-    mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool (True = attend)
-    mask_windowed: Optional[torch.Tensor] = None
+    seq_lens: torch.Tensor  # [num_decode] int64
+    block_size: int
+    sliding_window: Optional[int] = None
     all_rows: bool = False  # True when every token of the batch is a decode token (rows are 0..n-1)
-    seq_lens: Optional[torch.Tensor] = None  # [num_decode] int64
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, windowed: bool) -> torch.Tensor:
+        """[num_decode, 1, 1, max_blocks * block_size] bool, True = attend."""
+        m = self._masks.get(windowed)
+        if m is None:
+            sl = self.seq_lens
+            ctx = torch.arange(self.block_tables.shape[1] * self.block_size, dtype=torch.int64)
+            m = ctx[None, :] < sl[:, None]
+            if windowed:
+                m = m & (ctx[None, :] > (sl[:, None] - 1 - self.sliding_window))
+            m = m[:, None, None, :]
+            self._masks[windowed] = m
+        return m
 
 
 @dataclass
@@ -101,15 +118,10 @@ def build_attention_metadata(
             rows = torch.tensor([qsl[i] for i in decode_idx], dtype=torch.int64)
             bt = block_tables[decode_idx]
             sl = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64)
-        max_blocks = (int(sl.max()) + block_size - 1) // block_size
-        bt = bt[:, :max_blocks]
-        ctx = torch.arange(max_blocks * block_size, dtype=torch.int64)
-        mask = (ctx[None, :] < sl[:, None])[:, None, None, :]
-        mask_w = None
-        if sliding_window is not None:
-            mask_w = mask & (ctx[None, :] > (sl[:, None] - 1 - sliding_window))[:, None, None, :]
-        decode = DecodeBatch(token_rows=rows, block_tables=bt.contiguous(), mask=mask, mask_windowed=mask_w,
-                             all_rows=all_rows, seq_lens=sl)
+        max_blocks = (max(seq_lens[i] for i in decode_idx) + block_size - 1) // block_size
+        bt = bt[:, :max_blocks].contiguous()
+        decode = DecodeBatch(token_rows=rows, block_tables=bt, seq_lens=sl, block_size=block_size,
+                             sliding_window=sliding_window, all_rows=all_rows)
     prefills = []
     for i, q in enumerate(query_lens):
         if q == 1:
@@ -200,7 +212,7 @@ class Attention(torch.nn.Module):
             flat_bt = dec.block_tables.reshape(-1)
             kd = k_cache.index_select(0, flat_bt).view(n, -1, KVH, D).transpose(1, 2)  # [n, KVH, ctx, D]
             vd = v_cache.index_select(0, flat_bt).view(n, -1, KVH, D).transpose(1, 2)
-            mask = dec.mask_windowed if windowed else dec.mask
+            mask = dec.mask(windowed)
             od = F.scaled_dot_product_attention(
                 qd.view(n, H, 1, D), kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa
             )  # [n, H, 1, D]
