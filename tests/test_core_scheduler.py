@@ -260,12 +260,12 @@ def test_free_list_exact_order_after_alloc_and_free():
     a = pool.get_new_blocks(3)  # 1, 2, 3
     b = pool.get_new_blocks(2)  # 4, 5
     assert [x.block_id for x in a] == [1, 2, 3] and [x.block_id for x in b] == [4, 5]
-    pool.free_blocks(reversed(a))  # a request frees tail first
-    assert pool.free_block_queue.block_ids() == [6, 7, 8, 9, 3, 2, 1]
+    pool.free_blocks(reversed(a))  # a request frees tail first; hashless blocks go to the head (evict nothing)
+    assert pool.free_block_queue.block_ids() == [1, 2, 3, 6, 7, 8, 9]
     pool.free_blocks(reversed(b))
-    assert pool.free_block_queue.block_ids() == [6, 7, 8, 9, 3, 2, 1, 5, 4]
+    assert pool.free_block_queue.block_ids() == [4, 5, 1, 2, 3, 6, 7, 8, 9]
     c = pool.get_new_blocks(5)
-    assert [x.block_id for x in c] == [6, 7, 8, 9, 3]
+    assert [x.block_id for x in c] == [4, 5, 1, 2, 3]
     assert all(x.ref_cnt == 1 for x in c)
 
 

@@ -29,6 +29,7 @@ from pagedllm.model_loader.gguf_loader import (
 )
 from pagedllm.model_loader.safetensors_loader import iterate_safetensors_weights, weight_files
 from pagedllm.model_files import default_model_path
+from pagedllm.worker.model_runner import allocate_kv_caches
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -58,7 +59,7 @@ def _prefill_logits(model, tokens: list[int], block_size: int = 16) -> torch.Ten
     n = len(tokens)
     num_blocks = (n + block_size - 1) // block_size
     dtype = next(model.parameters()).dtype
-    kv = [torch.zeros(2, num_blocks + 1, block_size, h, d, dtype=dtype) for h, d in model.kv_cache_spec()]
+    kv = allocate_kv_caches(model.kv_cache_spec(), num_blocks + 1, block_size, dtype)
     block_table = torch.arange(1, num_blocks + 1, dtype=torch.int32)[None]
     slots = torch.arange(block_size, block_size + n, dtype=torch.int64)
     meta = build_attention_metadata([n], [n], block_table, slots, block_size, sliding_window=model.sliding_window)
@@ -403,7 +404,7 @@ def _greedy(model, prompt: list[int], max_new_tokens: int, block_size: int = 4) 
     """Prefill, then decode one token per step through the paged cache (blocks 1..n in order)."""
     total = len(prompt) + max_new_tokens
     num_blocks = (total + block_size - 1) // block_size
-    kv = [torch.zeros(2, num_blocks + 1, block_size, h, d) for h, d in model.kv_cache_spec()]
+    kv = allocate_kv_caches(model.kv_cache_spec(), num_blocks + 1, block_size, torch.float32)
     block_table = torch.arange(1, num_blocks + 1, dtype=torch.int32)[None]
     out: list[int] = []
     tokens, start = list(prompt), 0

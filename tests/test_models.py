@@ -1,4 +1,5 @@
-"""Llama / Mistral / Qwen2 against transformers' own implementations, through the paged KV cache.
+"""Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 / DeepSeek V2-V3 against transformers' own implementations, through the
+paged KV cache.
 
 Tiny random-weight models are built from transformers configs, saved with ``save_pretrained`` (safetensors), loaded
 with our loader, and run in float32 three ways: one prefill of the whole prompt; chunked prefill (chunks ending
@@ -19,10 +20,12 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm.attention.torch_attn import build_attention_metadata
 from pagedllm.config import ModelConfig
+from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.model_loader import get_architecture, load_hf_config, load_model
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.registry import get_model_class, resolve_architecture
+from pagedllm.worker.model_runner import allocate_kv_caches
 
 # float32 on both sides; the only differences are summation orders (fused matmuls, SDPA vs eager softmax).
 ATOL = 1e-4
@@ -41,9 +44,7 @@ class PagedRunner:
         self.model = model
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, kvh, d, dtype=dtype) for kvh, d in model.kv_cache_spec()
-        ]
+        self.kv_caches = allocate_kv_caches(model.kv_cache_spec(), num_blocks, block_size, dtype)
         self.free_blocks = list(range(1, num_blocks))  # block 0 is the null block
         random.Random(seed).shuffle(self.free_blocks)
         self.block_ids: dict[str, list[int]] = {}
@@ -157,6 +158,63 @@ def _qwen3(**kw):
     return transformers.Qwen3Config(**base)
 
 
+def _gemma3(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,  # != head_dim: the scale must come from it
+        max_position_embeddings=64,
+        sliding_window=5,  # smaller than the prompts
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention", "sliding_attention"],
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+    )  # rope: local base 10k, global 1M (Gemma 3's defaults)
+    base.update(kw)
+    return transformers.Gemma3TextConfig(**base)
+
+
+# DeepSeek: MLA with r=16 latents + 8 rope dims, nope 8, v 12 (!= nope + rope), 8 experts of which 2 per token,
+# one dense layer first. V3 needs num_key_value_heads = heads in HF's eager attention.
+_DEEPSEEK_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+)
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                  "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+
+
+def _deepseek_v2(**kw):
+    return transformers.DeepseekV2Config(**{**_DEEPSEEK_COMMON, "q_lora_rank": None, "routed_scaling_factor": 1.5,
+                                            **kw})
+
+
+def _deepseek_v3(**kw):
+    return transformers.DeepseekV3Config(**{**_DEEPSEEK_COMMON, "q_lora_rank": 24, "n_group": 4, "topk_group": 2,
+                                            "routed_scaling_factor": 2.5, **kw})
+
+
 CONFIGS = {
     "llama": lambda: _llama(),
     "llama-tied-bias": lambda: _llama(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
@@ -188,6 +246,26 @@ CONFIGS = {
         num_hidden_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1
     ),
     "qwen3-qk-norm": lambda: _qwen3(),
+    "gemma3": lambda: _gemma3(),
+    "gemma3-softcap-bias-linear-rope": lambda: _gemma3(
+        final_logit_softcapping=5.0,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        },
+    ),
+    "deepseek-v2": lambda: _deepseek_v2(),
+    "deepseek-v2-grouped-yarn-qlora-bias": lambda: _deepseek_v2(
+        q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2, attention_bias=True,
+        rope_parameters=_DEEPSEEK_YARN, max_position_embeddings=64,
+    ),
+    "deepseek-v3": lambda: _deepseek_v3(norm_topk_prob=True),
+    "deepseek-v3-yarn-rotate-half": lambda: _deepseek_v3(
+        rope_interleave=False, rope_parameters=_DEEPSEEK_YARN, norm_topk_prob=False, n_shared_experts=2,
+        tie_word_embeddings=True,
+    ),
 }
 
 _loaded: dict[str, tuple] = {}
@@ -203,6 +281,9 @@ def _load_pair(name: str, tmp_path_factory) -> tuple[torch.nn.Module, torch.nn.M
             for p_name, p in hf.named_parameters():
                 if "norm" in p_name:
                     p.uniform_(0.5, 1.5)
+            for b_name, b in hf.named_buffers():  # DeepSeek V3's router bias starts at 0
+                if b_name.endswith("e_score_correction_bias"):
+                    b.uniform_(-0.1, 0.1)
         folder = tmp_path_factory.mktemp(name)
         hf.save_pretrained(folder)
         hf_config = load_hf_config(str(folder))
@@ -356,14 +437,14 @@ def test_get_architecture_from_model_type_and_unsupported():
     cfg = _qwen2()
     cfg.architectures = None
     assert get_architecture(cfg) == "Qwen2ForCausalLM"
-    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="not supported"):
         get_architecture(cfg)
 
 
 def test_kv_cache_spec_sliding_window_and_fused_params(tmp_path_factory):
     _, mistral = _load_pair("mistral-sliding", tmp_path_factory)
-    assert mistral.kv_cache_spec() == [(2, 32)] * 3
+    assert mistral.kv_cache_spec() == [AttentionSpec(2, 32, 5)] * 3
     assert mistral.sliding_window == 5
     assert all(layer.self_attn.attn.sliding_window == 5 for layer in mistral.model.layers)
     _, qwen = _load_pair("qwen2-sliding-upper-layers", tmp_path_factory)

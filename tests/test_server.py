@@ -196,6 +196,26 @@ def test_cached_tokens_and_reset_prefix_cache(server, client, model):
     assert after.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_cache_salt_isolates_prefix_cache(server, client, model):
+    prompt = "Tenants must never share the cached blocks of this salted prefix text. " * 6
+
+    def cached(salt=None):
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 32
+    assert cached("tenant-b") == 0
+    assert cached() == 0  # unsalted requests don't see salted blocks either
+    msgs = [{"role": "user", "content": prompt}]
+    chat = [client.chat.completions.create(model=model, messages=msgs, max_tokens=1, temperature=0,
+                                           extra_body={"cache_salt": s}) for s in ("c", "c", "d")]
+    assert [r.usage.prompt_tokens_details.cached_tokens > 0 for r in chat] == [False, True, False]
+    r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "hi", "cache_salt": ""})
+    assert r.status_code == 400 and "cache_salt" in r.text
+
+
 # ---------------------------------------------------------------------------------------------------- chat
 def test_chat_and_stream_equal(server, client, model):
     n_prompt = _tokenize(server, messages=CHAT)
@@ -352,6 +372,8 @@ BAD_REQUESTS = [
     ("missing_prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("logprobs_over_max", "/v1/completions", {"prompt": "hi", "logprobs": 100}, 400, "logprobs"),
     ("stream_bad_temp", "/v1/completions", {"prompt": "hi", "temperature": -1, "stream": True}, 400, "temperature"),
+    ("stream_options_without_stream", "/v1/completions",
+     {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat_temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, "temperature"),
     ("chat_unknown_model", "/v1/chat/completions", {"messages": CHAT, "model": "gpt-9"}, 404, "model"),
     ("chat_empty_messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -4,8 +4,10 @@ Integers only; no torch. Design after vLLM v1's ``BlockPool`` (vllm/v1/core/bloc
 
 - Block 0 is the *null block*: never handed out; block tables are padded with it.
 - Free blocks sit in a doubly-linked list in eviction order: ``get_new_blocks`` takes from the head (least recently
-  freed), ``free_blocks`` appends at the tail. A request frees its blocks tail first, so when two blocks were freed
-  together, the later block of a prompt is evicted before the earlier one (the earlier one is more likely shared).
+  freed), ``free_blocks`` appends a cached block at the tail. A request frees its blocks tail first, so when two
+  blocks were freed together, the later block of a prompt is evicted before the earlier one (the earlier one is more
+  likely shared, and a later block is useless once its parent is gone). A freed block that holds no cached prefix
+  (a partial last block, or any block with caching off) goes to the head instead: reusing it evicts nothing.
 - A freed block keeps its hash and stays findable (a prefix-cache hit takes it back out of the free list) until it
   is reallocated: only then is its hash dropped (eviction).
 """
@@ -26,8 +28,8 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra_keys: 
 
     Chained through ``parent_hash``, it identifies the whole prefix up to and including this block. sha256 makes a
     collision (two different prefixes sharing KV) practically impossible, so a hit needs no token comparison.
-    ``extra_keys`` carries anything else that changes the KV of the block (e.g. a tenant's ``cache_salt``); the
-    parent-length prefix ``len(extra)`` keeps the encoding unambiguous.
+    ``extra_keys`` carries anything else that changes the KV of the block (e.g. a tenant's ``cache_salt``); the token
+    part always has ``8 * block_size`` bytes and the key carries an 8-byte length, so the encoding is unambiguous.
     """
     h = hashlib.sha256(parent_hash)
     h.update(array("q", token_ids).tobytes())
@@ -78,6 +80,14 @@ class FreeKVCacheBlockQueue:
         b.next_free.prev_free = b.prev_free
         b.prev_free = b.next_free = None
         self.num_free_blocks -= 1
+
+    def appendleft(self, b: KVCacheBlock) -> None:
+        first = self.head.next_free
+        first.prev_free = b
+        b.next_free = first
+        b.prev_free = self.head
+        self.head.next_free = b
+        self.num_free_blocks += 1
 
     def append(self, b: KVCacheBlock) -> None:
         last = self.tail.prev_free
@@ -156,13 +166,18 @@ class BlockPool:
             b.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference from each block; blocks reaching 0 join the free list tail in the given order."""
+        """Drops one reference from each block. Blocks reaching 0 join the free list in the given order: cached ones
+        at the tail (most recently used), hashless ones at the head (next to be reused)."""
+        q = self.free_block_queue
         for b in ordered_blocks:
             b.ref_cnt -= 1
             if b.ref_cnt < 0:
                 raise RuntimeError(f"{b} freed more often than allocated")
             if b.ref_cnt == 0 and not b.is_null:
-                self.free_block_queue.append(b)
+                if b.block_hash is None:
+                    q.appendleft(b)
+                else:
+                    q.append(b)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
                           num_cached_blocks: int, num_full_blocks: int) -> None:

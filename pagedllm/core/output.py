@@ -42,6 +42,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Models with several KV cache groups (sliding-window layers beside full-attention ones): block ids of groups
+    # 1.. allocated this step, per request, ``[group - 1][i]`` (the whole tables for a new or resumed request).
+    new_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

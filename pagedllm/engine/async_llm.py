@@ -1,21 +1,30 @@
-"""AsyncLLM: drives the synchronous ``LLMEngine`` from a background thread for the asyncio server.
+"""AsyncLLM: drives the synchronous ``LLMEngine`` beside the asyncio event loop, for the server.
 
-Threads and ownership:
-- The *engine thread* is the only one that touches the engine's mutable state (scheduler, KV blocks, output
-  processor). It loops: take the inbox -> add/abort requests -> ``step()`` -> hand the step's outputs to the event
-  loop in one ``call_soon_threadsafe`` -> update metrics. With nothing to do it sleeps on a ``Condition``; a new
-  request or abort wakes it. No busy-wait.
-- The *event loop thread* validates and tokenizes prompts (``process_prompt`` / ``validate_params`` only read the
-  config and the tokenizer), so a bad request fails in its caller before anything is queued or streamed, and the
-  engine step never waits on tokenization. Each request gets a ``RequestOutputCollector`` (its queue).
-- Aborts (client gone, generator closed or cancelled) go through the inbox; the engine thread applies them before
-  its next step, so the request's KV blocks are free within one step.
-- If the engine thread raises, the engine is dead: every in-flight request gets ``EngineDeadError``, new ones are
-  refused, and ``is_dead`` turns true (the server's ``/health`` answers 503).
+Where the engine loop runs (``engine_mode``):
+- "thread" (default): a thread of this process. Only it touches the engine's mutable state (scheduler, KV blocks,
+  output processor). It loops: take the inbox -> add/abort requests -> ``step()`` -> hand the step's outputs to the
+  event loop in one ``call_soon_threadsafe`` -> update metrics. With nothing to do it sleeps on a ``Condition``;
+  a new request or abort wakes it. No busy-wait.
+- "process": the same loop in a spawned child process (requests down one pipe, step outputs and scheduler stats
+  back up another, read by a thread here). Measured with 16 concurrent streams on this 2-core machine (shared with
+  other jobs, load ~9): no difference beyond run-to-run noise, so the simpler thread is the default.
+
+The *event loop thread* validates and tokenizes prompts (``process_prompt`` / ``validate_params`` only read the
+config and the tokenizer), so a bad request fails in its caller before anything is queued or streamed, and the
+engine step never waits on tokenization. Each request gets a ``RequestOutputCollector`` (its queue).
+Aborts (client gone, generator closed or cancelled) go through the inbox; the engine loop applies them before its
+next step, so the request's KV blocks are free within one step. If the loop raises (or the child dies), the engine
+is dead: every in-flight request gets ``EngineDeadError``, new ones are refused, and ``is_dead`` turns true (the
+server's ``/health`` answers 503).
 
 The engine always runs requests in DELTA mode, whatever the caller asked: the collector merges deltas for a consumer
 that is behind (a slow client gets fewer, larger chunks instead of a backlog) and for FINAL_ONLY callers delivers
 only the merged final output. This also lets the metrics see every token's arrival for every request.
+
+Note on torch threads: with libgomp's default (active) wait policy, torch ops issued from the *main* thread of a
+process spin in OpenMP barriers; on a CPU shared with other work that made decode steps 6x slower (and burned 6x the
+CPU) than the same steps issued from a non-main thread, or from the main thread with ``OMP_WAIT_POLICY=PASSIVE``.
+Both modes therefore step the engine from a non-main thread.
 """
 
 from __future__ import annotations
@@ -55,10 +64,13 @@ def _merge_output(dst: RequestOutput, src: RequestOutput) -> None:
             dst.outputs.append(c)
             by_index[c.index] = c
             continue
+        # DELTA lists are fresh slices owned by this output, so extending them in place is safe.
         d.text += c.text
-        d.token_ids = d.token_ids + c.token_ids
+        d.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
-            d.logprobs = (d.logprobs or []) + c.logprobs
+            if d.logprobs is None:
+                d.logprobs = []
+            d.logprobs.extend(c.logprobs)
         d.cumulative_logprob = c.cumulative_logprob
         d.finish_reason = c.finish_reason
         d.stop_reason = c.stop_reason
@@ -222,16 +234,24 @@ def _engine_process_main(config, requests, replies) -> None:
             items.append(item)
         return items
 
-    try:
-        _engine_loop(engine, get_inbox, replies.send)
-    except EOFError:
-        return  # the parent is gone
-    except BaseException as e:  # noqa: BLE001
-        logger.exception("engine process crashed")
+    def run() -> None:
         try:
-            replies.send(("dead", f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
+            _engine_loop(engine, get_inbox, replies.send)
+        except EOFError:
+            return  # the parent is gone
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine process crashed")
+            try:
+                replies.send(("dead", f"{type(e).__name__}: {e}"))
+            except OSError:
+                pass
+
+    # The loop runs in a non-main thread, as in thread mode: torch's OpenMP intra-op pool behaves differently when
+    # driven from the main thread (see the note in the module docstring), and the two modes should differ only in
+    # where the loop lives.
+    t = threading.Thread(target=run, name="pagedllm-engine")
+    t.start()
+    t.join()
 
 
 class _ProcessBackend:

@@ -18,17 +18,20 @@ class EngineCore:
     """Owns the scheduler and the model runner. Not thread-safe: one thread drives it."""
 
     def __init__(self, config: EngineConfig, model=None) -> None:
+        from pagedllm.kv_cache_spec import plan_kv_cache_layout
         from pagedllm.model_loader.loader import load_model
         from pagedllm.worker.model_runner import ModelRunner, determine_num_blocks
 
         self.config = config
         if model is None:
             model = load_model(config.model)
-        num_blocks = determine_num_blocks(config, model.kv_cache_spec())
+        # KV cache groups: sliding-window layers get their own block tables (and free what left the window).
+        layout = plan_kv_cache_layout(model.kv_cache_spec())
+        num_blocks = determine_num_blocks(config, model.kv_cache_spec(), layout)
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(config, model, num_blocks)
+        self.runner = ModelRunner(config, model, num_blocks, layout=layout)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching)
+                                               config.cache.enable_prefix_caching, layout.group_windows)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv_cache_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.max_model_len, sc.enable_chunked_prefill)

@@ -29,6 +29,13 @@ PromptType = Union[str, list[int], dict]
 class ProcessedPrompt:
     prompt: Optional[str]
     prompt_token_ids: list[int]
+    cache_salt: Optional[str] = None  # from a dict prompt's "cache_salt" (vLLM's TextPrompt/TokensPrompt field)
+
+
+def _check_cache_salt(salt) -> Optional[str]:
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")
+    return salt
 
 
 def _eos_from_config(hf_config) -> list[int]:
@@ -68,7 +75,9 @@ class LLMEngine:
                 vocabulary).
         """
         text: Optional[str] = None
+        salt = None
         if isinstance(prompt, dict):
+            salt = _check_cache_salt(prompt.get("cache_salt"))
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
@@ -100,7 +109,7 @@ class LLMEngine:
         max_len = self.config.model.max_model_len
         if len(ids) > max_len:
             raise ValueError(f"prompt is {len(ids)} tokens long, more than max_model_len={max_len} tokens.")
-        return ProcessedPrompt(text, ids)
+        return ProcessedPrompt(text, ids, salt)
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """Raises ValueError naming the field (max_tokens, logprobs, token ids)."""
@@ -128,6 +137,9 @@ class LLMEngine:
     ) -> None:
         """Validates, fans ``n > 1`` out into child requests ``"{i}_{request_id}"``, and queues them.
 
+        ``cache_salt`` (or a dict prompt's ``"cache_salt"``) isolates the request's prefix-cache entries: only
+        requests with the same salt share KV blocks.
+
         Raises:
             ValueError: for bad input (nothing is queued then).
         """
@@ -135,6 +147,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         pp = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         self.validate_params(params, len(pp.prompt_token_ids))
+        cache_salt = _check_cache_salt(cache_salt if cache_salt is not None else pp.cache_salt)
         arrival_time = time.time() if arrival_time is None else arrival_time
         n = params.n
         children: list[ChildState] = []

@@ -39,3 +39,28 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored zero-centred, ``y = x / rms(x) * (1 + weight)``, computed in float32 and
+    cast back (as HF's ``Gemma3RMSNorm``). ``1 + weight`` is kept in float32 by ``update_scale`` after loading.
+
+    forward(x [..., hidden]) -> [..., hidden].
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        self.register_buffer("scale", torch.ones(hidden_size, dtype=torch.float32), persistent=False)
+
+    @torch.no_grad()
+    def update_scale(self) -> None:
+        self.scale = 1.0 + self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (self.hidden_size,), self.scale, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -26,17 +26,21 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict:
+def rope_parameters(hf_config: Any, layer_type: Optional[str] = None) -> dict:
     """The RoPE parameters of a transformers config as one flat dict with ``rope_type`` and ``rope_theta``.
 
     transformers 5 keeps them in ``config.rope_parameters``; older configs have ``rope_theta`` plus an optional
     ``rope_scaling`` dict (whose type key may be ``type``). For llama3 and yarn, ``original_max_position_embeddings``
-    defaults to ``max_position_embeddings`` as in HF.
+    defaults to ``max_position_embeddings`` as in HF. Models with per-layer-type parameters (Gemma 3:
+    ``{"sliding_attention": {...}, "full_attention": {...}}``) name the ``layer_type`` to read.
 
     Raises:
-        ValueError: for per-layer-type (nested) parameters, partial rotary factors or unsupported rope types.
+        ValueError: for nested parameters without a matching ``layer_type``, partial rotary factors or unsupported
+            rope types.
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = getattr(hf_config, "rope_scaling", None)
     if not params and isinstance(scaling, dict):
         params = dict(scaling)

@@ -160,33 +160,42 @@ def read_gguf_header(path: str) -> GGUFHeader:
     return _read_header_cached(path, st.st_size, st.st_mtime_ns)
 
 
+# Q5_0's fifth bits: byte value b -> its 8 bits, each as 0 or 16 (OR-ed onto the nibbles).
+_HIGH_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).to(torch.uint8) << 4  # [256, 8]
+
+
 def _dequantize_torch(blocks: torch.Tensor, ggml_type: GGMLQuantizationType) -> Optional[torch.Tensor]:
     """float32 ``[n_blocks, 32]`` from raw ``[n_blocks, type_size]`` uint8 blocks for the simple quant types, with
     the same float32 arithmetic as ``gguf.quants`` (so the results are equal), or None for other types.
 
     Block layouts (ggml): Q4_0 = f16 d, 16 B nibbles (element j in the low nibble of byte j, element j + 16 in the
     high one), x = d * (q - 8); Q4_1 = f16 d, f16 m, nibbles, x = d * q + m; Q5_0 = f16 d, u32 high bits, nibbles,
-    x = d * (q - 16); Q8_0 = f16 d, 32 int8, x = d * q.
+    x = d * (q - 16); Q8_0 = f16 d, 32 int8, x = d * q. Written as few full passes over the output as possible
+    (in-place ops, a lookup table for Q5_0's bits): loading is dominated by these for Q5_0 / Q4 files.
     """
+    n = blocks.shape[0]
 
     def f16(col: int) -> torch.Tensor:  # [n_blocks, 1] float32 from the two bytes at `col`
         return blocks[:, col : col + 2].contiguous().view(torch.float16).float()
 
     def nibbles(col: int) -> torch.Tensor:  # [n_blocks, 32] uint8
         qs = blocks[:, col : col + 16]
-        return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+        q = torch.empty(n, 2, 16, dtype=torch.uint8)
+        torch.bitwise_and(qs, 0x0F, out=q[:, 0])
+        torch.bitwise_right_shift(qs, 4, out=q[:, 1])
+        return q.view(n, 32)
 
     t = ggml_type
     if t == GGMLQuantizationType.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).float() * f16(0)
+        return blocks[:, 2:].view(torch.int8).float().mul_(f16(0))
     if t == GGMLQuantizationType.Q4_0:
-        return f16(0) * (nibbles(2).to(torch.int8) - 8).float()
+        return nibbles(2).float().sub_(8).mul_(f16(0))
     if t == GGMLQuantizationType.Q4_1:
-        return f16(0) * nibbles(4).float() + f16(2)
+        return nibbles(4).float().mul_(f16(0)).add_(f16(2))
     if t == GGMLQuantizationType.Q5_0:
-        qh = blocks[:, 2:6].contiguous().view(torch.int32)  # [n_blocks, 1]
-        high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
-        return f16(0) * ((nibbles(6) | (high << 4)).to(torch.int8) - 16).float()
+        q = nibbles(6)
+        q |= _HIGH_BITS.index_select(0, blocks[:, 2:6].reshape(-1).long()).view(n, 32)
+        return q.float().sub_(16).mul_(f16(0))
     return None
 
 
@@ -233,18 +242,34 @@ GGUF_TO_HF_NAMES: dict[str, str] = {
     "blk.{bid}.ffn_down.bias": "model.layers.{bid}.mlp.down_proj.bias",
 }
 
+# Per-architecture differences from GGUF_TO_HF_NAMES. Gemma 3 has four norms per layer: llama.cpp's ffn_norm is
+# the pre-feed-forward norm there, and the post-attention norm is a separate tensor.
+GGUF_TO_HF_NAMES_BY_ARCH: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "blk.{bid}.ffn_norm.weight": "model.layers.{bid}.pre_feedforward_layernorm.weight",
+        "blk.{bid}.post_attention_norm.weight": "model.layers.{bid}.post_attention_layernorm.weight",
+        "blk.{bid}.post_ffw_norm.weight": "model.layers.{bid}.post_feedforward_layernorm.weight",
+    },
+}
+
 # Architectures whose converter (llama.cpp's LlamaModel) permuted attn_q/attn_k rows for its RoPE layout.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
+
+# Architectures whose GGUF norm weights have 1 added (llama.cpp computes x * w; HF Gemma computes x * (1 + w)).
+NORM_PLUS_ONE_ARCHITECTURES = frozenset({"gemma3"})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def gguf_to_hf_name(name: str) -> Optional[str]:
+def gguf_to_hf_name(name: str, arch: Optional[str] = None) -> Optional[str]:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for unknown names."""
+    names = GGUF_TO_HF_NAMES
+    if arch in GGUF_TO_HF_NAMES_BY_ARCH:
+        names = {**GGUF_TO_HF_NAMES, **GGUF_TO_HF_NAMES_BY_ARCH[arch]}
     m = _BLOCK_RE.match(name)
     if m is None:
-        return GGUF_TO_HF_NAMES.get(name)
-    template = GGUF_TO_HF_NAMES.get(f"blk.{{bid}}.{m.group(2)}")
+        return names.get(name)
+    template = names.get(f"blk.{{bid}}.{m.group(2)}")
     return None if template is None else template.format(bid=m.group(1))
 
 
@@ -258,7 +283,8 @@ def unpermute_qk(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def iterate_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(hf_name, tensor)`` for every tensor of a Llama/Mistral/Qwen2/Qwen3 GGUF, dequantized to ``dtype``.
+    """Yields ``(hf_name, tensor)`` for every tensor of a Llama/Mistral/Qwen2/Qwen3/Gemma3 GGUF, dequantized to
+    ``dtype`` (Gemma's norm weights back in HF's zero-centred form: GGUF weight - 1, computed in float32).
 
     Raises:
         ValueError: for a tensor name with no HF counterpart (e.g. ``rope_freqs.weight``, llama3 rope scaling
@@ -267,16 +293,20 @@ def iterate_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Itera
     header = read_gguf_header(path)
     arch = header.architecture
     permute = arch in PERMUTED_QK_ARCHITECTURES
+    norm_plus_one = arch in NORM_PLUS_ONE_ARCHITECTURES
     n_heads = header.arch_key("attention.head_count")
     n_kv_heads = header.arch_key("attention.head_count_kv", n_heads)
     # copy-on-write mapping: writable views for torch.from_numpy (no warning), nothing is ever written back
     raw = np.memmap(header.path, dtype=np.uint8, mode="c")
     try:
         for info in header.tensors.values():
-            hf_name = gguf_to_hf_name(info.name)
+            hf_name = gguf_to_hf_name(info.name, arch)
             if hf_name is None:
                 raise ValueError(f"{path}: GGUF tensor {info.name!r} ({arch}) is not supported")
-            tensor = _to_torch(raw[info.offset : info.offset + info.nbytes], info, dtype)
+            if norm_plus_one and info.name.endswith("norm.weight"):
+                tensor = (_to_torch(raw[info.offset : info.offset + info.nbytes], info, torch.float32) - 1).to(dtype)
+            else:
+                tensor = _to_torch(raw[info.offset : info.offset + info.nbytes], info, dtype)
             if permute and ".q_proj." in hf_name:
                 tensor = unpermute_qk(tensor, n_heads)
             elif permute and ".k_proj." in hf_name:

@@ -116,6 +116,14 @@ def gguf_to_hf_config(header: GGUFHeader) -> Any:
             kw["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
         kw["use_sliding_window"] = bool(window)
         kw["sliding_window"] = int(window) if window else None
+    elif model_type == "gemma3":
+        # The text model. Not in the metadata (transformers uses the same defaults): the layer pattern (every 6th
+        # layer global), the local rope base (10k), query_pre_attn_scalar (256). freq_base and any rope scaling
+        # are the global layers'.
+        model_type = "gemma3_text"
+        kw["sliding_window"] = int(window) if window else None
+        kw["rope_parameters"] = {"full_attention": rope, "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0}}
     return AutoConfig.for_model(model_type, **kw)
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
+from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -200,8 +201,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # shared by all layers
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -236,16 +238,19 @@ class LlamaForCausalLM(nn.Module):
                 for p_name, _ in mod.named_parameters(recurse=False):
                     self._shard_sizes[f"{mod_name}.{p_name}"] = tuple(sizes)
 
-    def kv_cache_spec(self) -> list[tuple[int, int]]:
-        """``(num_kv_heads, head_dim)`` of each layer's KV cache, in layer order."""
-        return [(self.model.num_kv_heads, self.model.head_dim)] * len(self.model.layers)
+    def kv_cache_spec(self) -> list[AttentionSpec]:
+        """Each layer's KV cache (K and V of ``num_kv_heads`` heads, its sliding window), in layer order."""
+        return [
+            AttentionSpec(self.model.num_kv_heads, self.model.head_dim, layer.self_attn.attn.sliding_window)
+            for layer in self.model.layers
+        ]
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | list[AttentionMetadata],  # one, or one per layer (its KV cache group's)
     ) -> torch.Tensor:
         """-> hidden states [T, hidden] (after the final norm)."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)

@@ -14,6 +14,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("pagedllm.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("pagedllm.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pagedllm.models.llama", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("pagedllm.models.gemma3", "Gemma3ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("pagedllm.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("pagedllm.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 
 # GGUF general.architecture / HF model_type -> HF architecture name
@@ -22,6 +25,10 @@ _ALIASES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ import torch
 from pagedllm.attention.torch_attn import build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.kv_cache_spec import KVCacheLayout, KVCacheSpec, as_kv_cache_specs, plan_kv_cache_layout
 from pagedllm.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -40,6 +41,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: Optional[torch.Generator]
     eos_token_ids: set[int]
+    # Block tables of KV cache groups 1.. (models with sliding-window and full-attention layers).
+    group_block_ids: list[list[int]] = field(default_factory=list)
     # Prompt positions whose logprobs were already returned (survives preemption: never repeated).
     num_prompt_logprobs_done: int = 0
     sampler_state: Optional[SamplerRequestState] = field(default=None, repr=False)
@@ -54,22 +57,37 @@ class CachedRequestState:
         )
 
 
-def kv_cache_bytes_per_block(kv_spec: list[tuple[int, int]], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers: sum over layers of 2 (K, V) * block_size * kv_heads * head_dim."""
+def kv_cache_bytes_per_block(kv_spec: Sequence[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers: sum over layers of block_size * the layer's bytes per token
+    (``2 * kv_heads * head_dim`` elements for K/V, ``kv_lora_rank + qk_rope_head_dim`` for an MLA latent)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * h * d * elem for h, d in kv_spec)
+    return sum(block_size * spec.bytes_per_token(elem) for spec in as_kv_cache_specs(kv_spec))
 
 
-def determine_num_blocks(config: EngineConfig, kv_spec: list[tuple[int, int]]) -> int:
+def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``)."""
+    return [torch.zeros(spec.cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+            for spec in as_kv_cache_specs(kv_spec)]
+
+
+def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
+                         layout: Optional[KVCacheLayout] = None) -> int:
     """Physical block count (null block included) from ``kv_cache_memory_bytes`` or the explicit override.
+
+    With several KV cache groups (``layout``), a block is ``layout.layers_per_group`` layers deep and one request
+    holds blocks in every group (fewer in sliding-window groups).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens can't fit, with the numbers needed.
     """
     cc = config.cache
-    per_block = kv_cache_bytes_per_block(kv_spec, cc.block_size, config.model.dtype)
+    layout = layout or plan_kv_cache_layout(kv_spec)
+    elem = torch.empty((), dtype=config.model.dtype).element_size()
+    per_block = layout.bytes_per_block(cc.block_size, elem)
     num_blocks = cc.num_blocks or (cc.kv_cache_memory_bytes // per_block)
-    needed = -(-config.model.max_model_len // cc.block_size)
+    needed = layout.blocks_for_one_request(config.model.max_model_len, cc.block_size,
+                                           config.scheduler.max_num_batched_tokens)
     if num_blocks - 1 < needed:
         raise ValueError(
             f"KV cache too small: {num_blocks - 1} usable blocks of {cc.block_size} tokens "
@@ -83,7 +101,7 @@ def determine_num_blocks(config: EngineConfig, kv_spec: list[tuple[int, int]]) -
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", layout: Optional[KVCacheLayout] = None) -> None:
         self.config = config
         self.model = model
         self.device = torch.device(device)
@@ -91,10 +109,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.vocab_size = config.model.vocab_size
         self.sliding_window = getattr(model, "sliding_window", None)
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, h, d, dtype=config.model.dtype, device=self.device)
-            for h, d in model.kv_cache_spec()
-        ]
+        # One tensor per slot; each layer uses its slot's (with one KV cache group: one tensor per layer).
+        self.layout = layout or plan_kv_cache_layout(model.kv_cache_spec())
+        slot_caches = allocate_kv_caches(self.layout.slot_specs, num_blocks, self.block_size, config.model.dtype,
+                                         self.device)
+        self.kv_caches = [slot_caches[s] for s in self.layout.layer_slot]
+        self.num_groups = self.layout.num_groups
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -118,16 +138,25 @@ class ModelRunner:
                 generator=gen,
                 eos_token_ids=set(nr.eos_token_ids),
             )
+            if self.num_groups > 1:
+                self.requests[nr.req_id].group_block_ids = [
+                    list(ids) for ids in sched.new_group_block_ids[nr.req_id]]
         for cr in sched.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
             st.num_computed_tokens = cr.num_computed_tokens
+            group_ids = sched.new_group_block_ids.get(cr.req_id) if self.num_groups > 1 else None
             if cr.resumed_from_preemption:
                 st.block_ids = list(cr.new_block_ids)
+                if self.num_groups > 1:
+                    st.group_block_ids = [list(ids) for ids in group_ids]
                 if cr.all_token_ids is not None and len(cr.all_token_ids) != len(st.token_ids):
                     st.token_ids = list(cr.all_token_ids)
                     st.sampler_state.output_token_ids[:] = st.token_ids[len(st.prompt_token_ids):]
             else:
                 st.block_ids.extend(cr.new_block_ids)
+                if group_ids:
+                    for table, ids in zip(st.group_block_ids, group_ids):
+                        table.extend(ids)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -168,6 +197,10 @@ class ModelRunner:
         slot_mapping = torch.from_numpy(slot_np).to(self.device)
         block_tables = torch.from_numpy(bt_np).to(self.device)
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, slot_mapping, bs, self.sliding_window)
+        if self.num_groups > 1:  # each group's layers read and write through the group's own block tables
+            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np)
+                              for g in range(1, self.num_groups)]
+            meta = [metas[g] for g in self.layout.layer_group]
 
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
@@ -208,6 +241,18 @@ class ModelRunner:
             logprobs=logprobs_out or None,
             prompt_logprobs=prompt_lp or None,
         )
+
+    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np):
+        """Attention metadata of KV cache group ``group`` >= 1 (its block tables and slots; same tokens)."""
+        bs = self.block_size
+        tables = [st.group_block_ids[group - 1] for st in states]
+        bt_np = np.zeros((len(states), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            bt_np[i, : len(t)] = t
+        slot_np = bt_np[req_idx_np, pos_np // bs] * bs + pos_np % bs
+        return build_attention_metadata(query_lens, seq_lens, torch.from_numpy(bt_np).to(self.device),
+                                        torch.from_numpy(slot_np).to(self.device), bs,
+                                        self.layout.group_windows[group] or self.sliding_window)
 
     def _prompt_logprobs(self, states, starts, query_lens, qsl, hidden) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens 1..P-1 (position p predicts token p+1), for requests that asked for them."""

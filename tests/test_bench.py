@@ -1,0 +1,284 @@
+"""The benchmark tools (``pagedllm bench ...``): workloads, the serving client against our real server (bundled
+SmolLM2, see conftest.py), the offline throughput/latency tools, the matmul floor, and compare's tables.
+
+Every run here is tiny (a few prompts, a few tokens): the tests check the printed and saved fields, not speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from pagedllm.benchmarks import compare as C
+from pagedllm.benchmarks.datasets import WORKLOADS, chat_prompts, load_shared_prefix, load_tokenizer, make_requests
+from pagedllm.benchmarks.serve import LATENCY_NAMES, METRIC_KEYS
+from pagedllm.entrypoints.cli import main as cli_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory-bytes", "64M"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+# ------------------------------------------------------------------------------------------------ workloads
+def test_random_workload_exact_lengths_and_seeded(tok):
+    a = make_requests("random", tok, 5, input_len=40, output_len=7, seed=3)
+    b = make_requests("random", tok, 5, input_len=40, output_len=7, seed=3)
+    c = make_requests("random", tok, 5, input_len=40, output_len=7, seed=4)
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b]
+    assert [r.prompt_token_ids for r in a] != [r.prompt_token_ids for r in c]
+    specials = set(tok.all_special_ids)
+    for r in a:
+        assert r.prompt_len == 40 and r.output_len == 7 and r.token_prompt
+        assert not specials & set(r.prompt_token_ids)
+        assert r.prompt == tok.decode(r.prompt_token_ids)
+
+
+def test_mixed_workload_lengths_in_range(tok):
+    reqs = make_requests("mixed", tok, 200, seed=0)
+    ins = [r.prompt_len for r in reqs]
+    outs = [r.output_len for r in reqs]
+    assert 50 <= min(ins) and max(ins) <= 1000
+    assert 16 <= min(outs) and max(outs) <= 512
+    # log-uniform: the median sits near the geometric mean of the bounds, well below the arithmetic midpoint
+    assert 120 < sorted(ins)[100] < 420
+    assert 40 < sorted(outs)[100] < 200
+    assert all(r.prompt_len + r.output_len <= 2048 for r in reqs)
+
+
+def test_chat_and_shared_prefix_workloads(tok):
+    convs = chat_prompts()
+    assert len(convs) >= 50
+    for msgs in convs:
+        assert msgs[-1]["role"] == "user" and all(m["content"].strip() for m in msgs)
+    reqs = make_requests("chat", tok, 70, output_len=32, seed=0)
+    assert len(reqs) == 70 and all(r.messages and r.messages[-1]["role"] == "user" for r in reqs)
+    assert all(r.prompt.rstrip().endswith("assistant") for r in reqs)  # generation prompt of the chat template
+    sp = make_requests("shared-prefix", tok, 45, output_len=16)
+    system = load_shared_prefix()["system_prompt"]
+    assert all(r.messages[0]["content"] == system for r in sp)
+    assert len({r.prompt for r in sp}) == 45  # distinct ticket numbers even when questions repeat
+    first = sp[0].prompt_token_ids
+    common = min(len(os.path.commonprefix([first, r.prompt_token_ids])) for r in sp[1:])
+    assert common > 900  # the long system prompt is a shared token prefix
+    cut = make_requests("shared-prefix", tok, 2, prefix_len=100)
+    assert cut[0].prompt_len < 200
+    with pytest.raises(ValueError):
+        make_requests("nope", tok, 1)
+    assert set(WORKLOADS) == {"random", "mixed", "shared-prefix", "chat"}
+
+
+# ------------------------------------------------------------------------------------------------ serve client
+TABLE_LINES = ["Successful requests:", "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:",
+               "Request throughput (req/s):", "Output token throughput (tok/s):", "Total token throughput (tok/s):"]
+for _n in ("TTFT", "TPOT", "ITL", "E2EL"):
+    TABLE_LINES += [f"Mean {_n} (ms):", f"Median {_n} (ms):", f"P99 {_n} (ms):"]
+
+
+def _check_level(lv: dict, n: int, out_len: int, concurrency) -> None:
+    for k in METRIC_KEYS:
+        assert k in lv, k
+    for name in LATENCY_NAMES:
+        for stat in ("mean", "median", "p99"):
+            assert lv[f"{stat}_{name}_ms"] > 0, (stat, name, lv[f"{stat}_{name}_ms"])
+    assert lv["completed"] == n and lv["failed"] == 0, lv["errors"]
+    assert lv["max_concurrency"] == concurrency
+    assert lv["total_output_tokens"] == n * out_len  # ignore_eos: exactly the asked length
+    assert lv["output_lens"] == [out_len] * n
+    assert len(lv["ttfts"]) == n and len(lv["e2els"]) == n and len(lv["itls"]) >= n
+    assert lv["output_throughput"] == pytest.approx(lv["total_output_tokens"] / lv["duration"])
+    assert lv["median_e2el_ms"] >= lv["median_ttft_ms"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_serve_completions_sweep(pagedllm_server, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    rc = cli_main(["bench", "serve", "--base-url", pagedllm_server.url, "--dataset-name", "random", "--input-len", "16",
+                   "--output-len", "5", "--num-prompts", "3", "--max-concurrency", "1", "2", "--result-file", str(out),
+                   "--label", "ours"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert printed.count("Serving Benchmark Result") == 2
+    for line in TABLE_LINES:
+        assert re.search(re.escape(line) + r"\s+[0-9.]+", printed), line
+    assert re.search(r"Maximum request concurrency:\s+2", printed)
+    data = json.loads(out.read_text())
+    for k in ("label", "base_url", "backend", "model", "dataset_name", "num_prompts", "max_concurrency", "levels"):
+        assert k in data, k
+    assert data["backend"] == "openai" and data["label"] == "ours" and data["max_concurrency"] == [1, 2]
+    assert [lv["max_concurrency"] for lv in data["levels"]] == [1, 2]
+    for lv, conc in zip(data["levels"], (1, 2)):
+        _check_level(lv, 3, 5, conc)
+        assert lv["total_input_tokens"] == 3 * 16  # token-id prompts: exact
+    png = tmp_path / "serve.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_serve_chat_backend_poisson(pagedllm_server, tmp_path, capsys):
+    out = tmp_path / "chat.json"
+    png = tmp_path / "plot.png"
+    rc = cli_main(["bench", "serve", "--base-url", pagedllm_server.url + "/v1", "--backend", "openai-chat",
+                   "--dataset-name", "chat", "--output-len", "4", "--num-prompts", "2", "--request-rate", "20",
+                   "--max-concurrency", "2", "--num-warmups", "0", "--result-file", str(out), "--plot", str(png)])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "Serving Benchmark Result" in printed
+    data = json.loads(out.read_text())
+    assert data["backend"] == "openai-chat" and data["request_rate"] == 20.0
+    _check_level(data["levels"][0], 2, 4, 2)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_serve_reports_failures(tmp_path, capsys):
+    """A server that isn't there: the run fails cleanly (no hang) with a non-zero exit and the reason."""
+    from pagedllm.benchmarks.peers import free_port
+
+    port = free_port()
+    with pytest.raises(Exception):
+        cli_main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "x", "--num-prompts", "1",
+                  "--input-len", "4", "--output-len", "2", "--result-file", str(tmp_path / "x.json")])
+
+
+# ------------------------------------------------------------------------------------------------ offline tools
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_throughput_offline(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    rc = cli_main(["bench", "throughput", "--dataset-name", "random", "--input-len", "12", "--output-len", "4",
+                   "--num-prompts", "3", *SMALL_ENGINE, "--output-json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s", printed)
+    data = json.loads(out.read_text())
+    from pagedllm.benchmarks.throughput import RESULT_KEYS
+
+    for k in RESULT_KEYS:
+        assert k in data, k
+    assert data["backend"] == "pagedllm" and data["num_requests"] == 3
+    assert data["total_input_tokens"] == 36 and data["total_output_tokens"] == 12
+    assert data["output_tokens_per_second"] == pytest.approx(12 / data["elapsed_time"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_latency(capsys):
+    rc = cli_main(["bench", "latency", "--input-len", "10", "--output-len", "4", "--batch-size", "2", "--num-iters", "1",
+                   *SMALL_ENGINE, "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    from pagedllm.benchmarks.latency import RESULT_KEYS
+
+    for k in RESULT_KEYS:
+        assert k in data, k
+    assert data["batch_size"] == 2 and data["mean_ttft_ms"] > 0 and data["mean_itl_ms"] > 0
+    assert data["decode_tokens_per_second"] == pytest.approx(2000.0 / data["mean_itl_ms"])
+    assert len(data["itl_per_token_ms"]) == 3 and all(x > 0 for x in data["itl_per_token_ms"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_throughput_hf_peer(tmp_path):
+    """The HF Transformers peer (padded static batches) on the bundled GGUF."""
+    out = tmp_path / "hf.json"
+    rc = cli_main(["bench", "throughput", "--backend", "hf", "--model", _gguf(), "--hf-dtype", "float32",
+                   "--hf-batch-size", "2", "--dataset-name", "random", "--input-len", "8", "--output-len", "3",
+                   "--num-prompts", "3", "--output-json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["backend"] == "hf" and data["total_output_tokens"] == 9 and data["hf_batch_size"] == 2
+
+
+def _gguf() -> str:
+    from pagedllm.model_files import default_model_path
+
+    return default_model_path()
+
+
+def test_floor_shapes_and_one_step():
+    from pagedllm.benchmarks.floor import measure_floor, model_shapes
+
+    s = model_shapes()
+    assert (s["hidden"], s["intermediate"], s["heads"], s["kv_heads"], s["head_dim"], s["layers"], s["vocab"]) == \
+        (576, 1536, 9, 3, 64, 30, 49152)
+    small = dict(s, layers=2)
+    rows = measure_floor(small, [1, 4], reps=1, warmup=1)
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    assert all(r["step_ms_median"] > 0 and r["tokens_per_second"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def _level(out: float, ttft: float, itl: float, tpot: float) -> dict:
+    lv = {f"{s}_{m}_ms": 1.0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+    lv.update({"output_throughput": out, "median_ttft_ms": ttft, "mean_ttft_ms": ttft, "p99_itl_ms": itl,
+               "mean_tpot_ms": tpot, "completed": 4, "failed": 0, "duration": 1.0, "request_throughput": 4.0})
+    return lv
+
+
+def _offline(out: float, total: float) -> dict:
+    return {"output_tokens_per_second": out, "tokens_per_second": total, "num_requests": 64, "elapsed_time": 10.0,
+            "requests_per_second": 6.4, "total_input_tokens": 1, "total_output_tokens": 2}
+
+
+def _fake_runs() -> list:
+    lv, off = _level, _offline
+    R = C.Run
+    return [
+        R("offline", "pagedllm", "pagedllm bench throughput ...", True, off(900.0, 3000.0)),
+        R("offline", "vllm", "x", True, off(600.0, 2000.0)),
+        R("offline", "hf", "x", True, off(90.0, 300.0)),
+        R("serve", "pagedllm", "x", True, {"levels": [lv(400.0, 500.0, 100.0, 40.0)]}),
+        R("serve", "vllm", "x", True, {"levels": [lv(200.0, 1000.0, 50.0, 50.0)]}),
+        R("serve", "llamacpp", "", False, None, "not installed (make bench-peers)"),
+        R("single", "pagedllm", "x", True, {"levels": [lv(30.0, 100.0, 40.0, 25.0)]}),
+        R("latency", "pagedllm-bs32", "x", True, {"mean_itl_ms": 60.0, "decode_tokens_per_second": 533.0,
+                                                  "mean_ttft_ms": 300.0}),
+        R("floor", "matmul", "x", True, {"floor": [{"batch_size": 32, "step_ms_median": 40.0}]}),
+    ]
+
+
+def test_compare_ratio_table_and_results_md(tmp_path):
+    runs = _fake_runs()
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    assert C.ratio(rows["offline mixed: output tok/s"], "vllm") == pytest.approx(1.5)
+    assert C.ratio(rows["offline mixed: output tok/s"], "hf") == pytest.approx(10.0)
+    assert C.ratio(rows["serve chat: output tok/s"], "vllm") == pytest.approx(2.0)
+    assert C.ratio(rows["serve chat: median TTFT ms"], "vllm") == pytest.approx(2.0)  # lower is better
+    assert C.ratio(rows["serve chat: P99 ITL ms"], "vllm") == pytest.approx(0.5)
+    assert C.ratio(rows["serve chat: output tok/s"], "llamacpp") is None
+    table = C.format_ratio_table(list(rows.values()))
+    assert "| offline mixed: output tok/s | 900.0 | 600.0 | **1.50x** | 90.0 | **10.00x** |" in table
+    assert "| 32 | 60.0 |" in C.engine_table(runs) and "1.50x" in C.engine_table(runs)
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    C.add_compare_args(parser)
+    NS = parser.parse_args([])
+    NS.command_line = "pagedllm bench compare"
+
+    md = tmp_path / "RESULTS.md"
+    C.write_results_md(str(md), NS, runs, {"pagedllm": "pagedllm serve --port 1"}, {"cpu": "x", "cores": 2},
+                       {"pagedllm": "0.1.0"}, "now", 60.0, str(tmp_path))
+    text = md.read_text()
+    for part in ("## Ratios", "## Machine", "## Versions", "## Exact commands", "pagedllm serve --port 1",
+                 "## What did not run", "not installed (make bench-peers)", "**1.50x**"):
+        assert part in text, part
+
+
+def test_compare_render_only(tmp_path, capsys):
+    runs = _fake_runs()
+    (tmp_path / "compare.json").write_text(json.dumps({
+        "machine": {"cores": 2}, "versions": {"pagedllm": "0.1.0"}, "runs": [r.__dict__ for r in runs],
+        "servers": {}, "command_line": "pagedllm bench compare --peers vllm", "started": "then", "wall_s": 5.0}))
+    md = tmp_path / "R.md"
+    assert cli_main(["bench", "compare", "--render-only", str(tmp_path), "--results-md", str(md)]) == 0
+    assert "**1.50x**" in capsys.readouterr().out
+    assert "pagedllm bench compare --peers vllm" in md.read_text()
