@@ -51,7 +51,8 @@ def start_server(log_path: str, *extra: str) -> ServerHandle:
 
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(SERVER_MAX_MODEL_LEN), "--kv-cache-memory-bytes", SERVER_KV_BYTES, "--dtype", SERVER_DTYPE,
+           "--max-model-len", str(SERVER_MAX_MODEL_LEN), "--kv-cache-memory-bytes", SERVER_KV_BYTES,
+           "--dtype", SERVER_DTYPE,
            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log", *extra]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -278,7 +278,13 @@ def test_compare_render_only(tmp_path, capsys):
     (tmp_path / "compare.json").write_text(json.dumps({
         "machine": {"cores": 2}, "versions": {"pagedllm": "0.1.0"}, "runs": [r.__dict__ for r in runs],
         "servers": {}, "command_line": "pagedllm bench compare --peers vllm", "started": "then", "wall_s": 5.0}))
+    # a sub-run rerun by hand into the same folder replaces the one in compare.json
+    os.utime(tmp_path / "compare.json", (1, 1))
+    (tmp_path / "offline-vllm.json").write_text(json.dumps(dict(_offline(300.0, 1000.0),
+                                                                command="cli.py bench throughput --backend vllm")))
     md = tmp_path / "R.md"
     assert cli_main(["bench", "compare", "--render-only", str(tmp_path), "--results-md", str(md)]) == 0
-    assert "**1.50x**" in capsys.readouterr().out
-    assert "pagedllm bench compare --peers vllm" in md.read_text()
+    assert "| 900.0 | 300.0 | **3.00x** |" in capsys.readouterr().out
+    text = md.read_text()
+    assert "pagedllm bench compare --peers vllm" in text
+    assert "pagedllm bench throughput --backend vllm" in text

@@ -1,6 +1,7 @@
 """Greedy generation through the whole engine (paged cache, batching, chunked prefill, preemption) equals
-HF transformers' own greedy decoding, on tiny random-weight Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 /
-DeepSeek V2 / DeepSeek V3 models (float32)."""
+HF transformers' greedy decoding, on tiny random-weight Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 /
+DeepSeek V2 / DeepSeek V3 models (float32). HF checks the batched run in one forward pass per prompt (its argmax
+at every position must be the engine's next token); the chunked and preempted runs must equal the batched one."""
 
 import pytest
 import torch
@@ -71,19 +72,14 @@ def _save_tiny(kind: str, path) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF's own incremental decoding with its KV cache: argmax at each step."""
-    ids = torch.tensor([prompt])
-    out = model(ids, use_cache=True)
-    past = out.past_key_values
-    toks = []
-    nxt = int(out.logits[0, -1].argmax())
-    for _ in range(max_new_tokens):
-        toks.append(nxt)
-        out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        nxt = int(out.logits[0, -1].argmax())
-    return toks
+def assert_hf_greedy(model, prompt: list[int], generated: list[int], what: str) -> None:
+    """HF's greedy decoding of ``prompt`` yields ``generated`` iff HF's argmax at every position of
+    ``prompt + generated[:-1]`` is the next generated token: one forward pass checks them all."""
+    logits = model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1 :]
+    picks = logits.argmax(-1).tolist()
+    if picks != generated:
+        i = next(j for j, (a, b) in enumerate(zip(picks, generated)) if a != b)
+        raise AssertionError(f"{what}: HF picks {picks[i]} at output token {i}, the engine {generated[i]}")
 
 
 def _prompts():
@@ -99,7 +95,6 @@ def test_engine_greedy_equals_hf(kind, tmp_path):
     max_new = 20
     if kind.startswith("deepseek"):  # MoE steps are several times dearer (a Python loop over experts, both sides)
         prompts, max_new = prompts[:6], 12
-    ref = [hf_greedy(hf, p, max_new) for p in prompts]
     sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, block_size=4,
               kv_cache_memory_bytes=4 << 20, max_model_len=256)
@@ -115,9 +110,15 @@ def test_engine_greedy_equals_hf(kind, tmp_path):
         "preempt": llm.with_engine_args(num_gpu_blocks_override=num_blocks, max_model_len=72,
                                         max_num_batched_tokens=16),
     }
+    ref = None
     for name, eng in variants.items():
         outs = eng.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
+        if ref is None:  # the batched run against HF; the others must be token-identical to it
+            for i, (p, g) in enumerate(zip(prompts, got)):
+                assert len(g) == max_new
+                assert_hf_greedy(hf, p, g, f"{kind}/{name}: prompt {i} (len {len(p)})")
+            ref = got
         for i, (g, r) in enumerate(zip(got, ref)):
             assert g == r, f"{kind}/{name}: prompt {i} (len {len(prompts[i])}) differs from HF"
         core = eng.llm_engine.engine_core

@@ -51,11 +51,12 @@ def gemma():
     hf = hf_reference(model)
     tok = llm.get_tokenizer()
     long_ids = tok.encode(LONG_TEXT * 40)[:560] + tok.encode(" In summary,", add_special_tokens=False)
-    ids = [long_ids, tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n")]
-    # One engine run: the long prompt is prefilled in chunks of <= 128 tokens (crossing the window), and the KV
-    # cache has one block more than the long request may hold at once (KV cache groups: 3 layers per block,
-    # the global group keeps every block, the 5 window groups what their window and a chunk need), so the short
-    # requests beside it force a preemption.
+    ids = [tok.encode("The capital of France is"),
+           tok.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'), long_ids]
+    # One engine run: the long prompt is prefilled in chunks of <= 128 tokens (crossing the window) while the
+    # short ones decode, and the KV cache has one block more than the long request may hold at once (KV cache
+    # groups: 3 layers per block, the global group keeps every block, the 5 window groups what their window and a
+    # chunk need), so the short requests beside it force a preemption.
     max_len = (-(-(len(long_ids) + MAX_NEW) // BLOCK_SIZE) + 1) * BLOCK_SIZE
     layout = llm.llm_engine.engine_core.runner.layout
     eng = llm.with_engine_args(max_num_batched_tokens=128, max_model_len=max_len,
@@ -84,6 +85,8 @@ def test_config_is_gemma3_270m(gemma):
         None if i in full else 512 for i in range(18)]
     assert cfg.tie_word_embeddings and gemma.model.lm_head is gemma.model.model.embed_tokens
     assert cfg.final_logit_softcapping is None and cfg.hidden_activation == "gelu_pytorch_tanh"
+    layout = gemma.llm.llm_engine.engine_core.runner.layout  # KV cache groups: 3 global layers, 5 x 3 windowed
+    assert layout.group_windows == (None,) + (512,) * 5 and layout.layers_per_group == 3
 
 
 def test_every_quant_type_dequantizes_like_gguf():
@@ -103,17 +106,17 @@ def test_norm_weights_are_stored_plus_one(gemma):
 
 
 def test_logits_match_hf_across_the_window(gemma):
-    tokens = gemma.ids[0] + gemma.gen[0][:-1]
+    tokens = gemma.ids[2] + gemma.gen[2][:-1]
     got = prefill_logits(gemma.model, tokens, chunk=200, keep_last=MAX_NEW)  # chunk borders at 200 and 400
-    torch.testing.assert_close(got, gemma.hf_logits[0], atol=ATOL, rtol=RTOL)
-    assert len(gemma.ids[0]) > 512
+    torch.testing.assert_close(got, gemma.hf_logits[2], atol=ATOL, rtol=RTOL)
+    assert len(gemma.ids[2]) > 512
 
 
 def test_engine_greedy_equals_hf_chunked_and_preempted(gemma):
     for i, (p, g) in enumerate(zip(gemma.ids, gemma.gen)):
         assert_hf_greedy_agrees(gemma.hf_logits[i], p[-1:], g, f"prompt {i}")  # logits kept: the last MAX_NEW
     assert gemma.eng.llm_engine.engine_core.scheduler.num_preemptions > 0
-    assert "return" in gemma.llm.get_tokenizer().decode(gemma.gen[2])  # sensible text: weights really loaded
+    assert "return" in gemma.llm.get_tokenizer().decode(gemma.gen[1])  # sensible text: weights really loaded
 
 
 def test_base_model_has_no_chat_template_so_chat_is_a_clear_400(gemma):
@@ -127,4 +130,4 @@ def test_base_model_has_no_chat_template_so_chat_is_a_clear_400(gemma):
     # completions work
     out = gemma.llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4),
                              use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == gemma.gen[1][:4]
+    assert out.outputs[0].token_ids == gemma.gen[0][:4]

@@ -423,15 +423,53 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="Run nothing: rewrite the summary from DIR/compare.json of an earlier run.")
 
 
+def _runs_from_files(out_dir: str) -> list[Run]:
+    """Runs rebuilt from the result files a (possibly interrupted) compare left in ``out_dir``."""
+    import glob
+
+    runs = []
+    for f in sorted(glob.glob(os.path.join(out_dir, "*.json")), key=os.path.getmtime):
+        name = os.path.splitext(os.path.basename(f))[0]
+        if name == "compare.json" or "-" not in name and name != "floor":
+            continue
+        section, _, engine = name.partition("-")
+        if section == "latency":
+            engine = f"pagedllm-{engine}"
+        if section == "floor":
+            engine = "matmul"
+        with open(f) as fh:
+            res = json.load(fh)
+        cmd = res.get("command", "")
+        head, _, rest = cmd.partition(" ")
+        if head.endswith("cli.py"):  # `python -m pagedllm.entrypoints.cli` records the module's path
+            cmd = "pagedllm " + rest
+        runs.append(Run(section, engine, cmd, True, res, seconds=0.0, env={"mtime": os.path.getmtime(f)}))
+    return runs
+
+
 _PARAMS = ("offline_num_prompts", "hf_batch_size", "serve_num_prompts", "serve_output_len", "serve_concurrency",
            "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters")
 
 
 def render_only(ns: argparse.Namespace) -> int:
     """Rewrites RESULTS.md from a finished run's ``compare.json`` (e.g. after fixing the table's layout)."""
-    with open(os.path.join(ns.render_only, "compare.json")) as f:
-        data = json.load(f)
+    path = os.path.join(ns.render_only, "compare.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    else:  # an interrupted run: use the sub-runs that finished
+        data = {"runs": [r.__dict__ for r in _runs_from_files(ns.render_only)], "machine": P.machine_info(),
+                "versions": P.versions(), "command_line": "pagedllm bench compare (interrupted; finished parts)"}
     runs = [Run(**r) for r in data["runs"]]
+    if os.path.exists(path):
+        # Sub-runs whose results are in the folder but not (or not ok) in compare.json: an earlier, interrupted
+        # invocation with other --sections, or a peer rerun by hand into the same folder.
+        done = {(r.section, r.engine) for r in runs if r.ok}
+        t_json = os.path.getmtime(path)
+        extra = [r for r in _runs_from_files(ns.render_only)
+                 if (r.section, r.engine) not in done or r.env.get("mtime", 0) > t_json]
+        keys = {(r.section, r.engine) for r in extra}
+        runs = [r for r in runs if (r.section, r.engine) not in keys] + extra
     for k, v in data.get("params", {}).items():
         setattr(ns, k, v)
     ns.command_line = data.get("command_line", "pagedllm bench compare")

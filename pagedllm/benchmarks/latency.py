@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from pagedllm.benchmarks import command_line
 from pagedllm.benchmarks.datasets import load_tokenizer, make_requests
 
 RESULT_KEYS = ("batch_size", "input_len", "output_len", "num_iters", "mean_ttft_ms", "median_ttft_ms",
@@ -122,7 +123,7 @@ def run_latency(ns: argparse.Namespace) -> dict:
         "mean_e2e_latency_s": statistics.fmean(e2es),
         "itl_per_token_ms": [statistics.fmean(x) * 1e3 if x else None for x in per_token[1:]],
         "engine_args": vars(args),
-        "command": " ".join(sys.argv),
+        "command": command_line(),
     }
     return res
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagedllm.benchmarks import command_line
 from pagedllm.benchmarks.datasets import BenchRequest, add_dataset_args, load_tokenizer, requests_from_args
 
 # Keys of one level's results (besides the per-request samples); the test checks these.
@@ -379,7 +380,7 @@ def run_serve_benchmark(ns: argparse.Namespace) -> dict:
         "request_rate": ns.request_rate if ns.request_rate != float("inf") else "inf",
         "max_concurrency": ns.max_concurrency,
         "percentiles": list(percentiles),
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "levels": levels,
     }
     path = ns.result_file

@@ -21,6 +21,7 @@ import tempfile
 import time
 from typing import Optional
 
+from pagedllm.benchmarks import command_line
 from pagedllm.benchmarks.datasets import BenchRequest, add_dataset_args, load_tokenizer, requests_from_args, summarize
 
 RESULT_KEYS = ("backend", "dataset_name", "num_requests", "elapsed_time", "requests_per_second", "tokens_per_second",
@@ -181,7 +182,7 @@ def run_throughput(ns: argparse.Namespace) -> dict:
     res = runner(ns, reqs)
     res["dataset_name"] = ns.dataset_name
     res["ignore_eos"] = ns.ignore_eos
-    res["command"] = " ".join(sys.argv)
+    res["command"] = command_line()
     return _finish(res, reqs)
 
 

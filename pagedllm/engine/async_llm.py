@@ -45,14 +45,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputCollector"]
 
-# A step that returns nothing this fast did no work (e.g. a waiting request that can't be scheduled yet); the engine
-# thread then waits this long (or until the inbox changes) instead of spinning.
+# A step that returns nothing this fast did no work (e.g. a waiting request that can't be scheduled yet); the loop
+# then waits this long (or until the inbox changes) instead of spinning.
 _EMPTY_STEP_S = 0.001
 _EMPTY_STEP_BACKOFF_S = 0.01
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (it crashed or was shut down); no request can be served."""
+    """The engine loop has stopped (it crashed or was shut down); no request can be served."""
 
 
 def _merge_output(dst: RequestOutput, src: RequestOutput) -> None:

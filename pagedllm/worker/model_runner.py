@@ -86,8 +86,8 @@ def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
     elem = torch.empty((), dtype=config.model.dtype).element_size()
     per_block = layout.bytes_per_block(cc.block_size, elem)
     num_blocks = cc.num_blocks or (cc.kv_cache_memory_bytes // per_block)
-    needed = layout.blocks_for_one_request(config.model.max_model_len, cc.block_size,
-                                           config.scheduler.max_num_batched_tokens)
+    max_chunk = getattr(getattr(config, "scheduler", None), "max_num_batched_tokens", config.model.max_model_len)
+    needed = layout.blocks_for_one_request(config.model.max_model_len, cc.block_size, max_chunk)
     if num_blocks - 1 < needed:
         raise ValueError(
             f"KV cache too small: {num_blocks - 1} usable blocks of {cc.block_size} tokens "

@@ -104,6 +104,9 @@ async def _until_disconnect(request: Request, work: Awaitable) -> Any:
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if not task.done():
@@ -270,7 +273,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or Hugging Face folder (default: the bundled SmolLM2-135M-Instruct).")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces).")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="Address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000).")
     g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                    help="If set, /v1/* requests must send 'Authorization: Bearer <key>' (else 401). "
