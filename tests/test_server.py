@@ -71,6 +71,7 @@ def test_models_health_version(server, client):
     assert len(models) == 1
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["id"] == models[0].id and card["owned_by"] == "pagedllm" and card["max_model_len"] == 2048
+    assert card["architecture"] == "LlamaForCausalLM"
     assert httpx.get(server.url + "/health").status_code == 200
     assert re.match(r"\d+\.\d+", httpx.get(server.url + "/version").json()["version"])
 

@@ -193,7 +193,8 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
         return {"version": _version()}
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=app.state.started, root=mc.model, max_model_len=mc.max_model_len)
+        return ModelCard(id=name, created=app.state.started, root=mc.model, max_model_len=mc.max_model_len,
+                         architecture=mc.architecture)
 
     @app.get("/v1/models")
     async def list_models():

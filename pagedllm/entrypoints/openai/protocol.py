@@ -61,6 +61,7 @@ class ModelCard(OpenAIBaseModel):
     root: Optional[str] = None
     parent: Optional[str] = None
     max_model_len: Optional[int] = None
+    architecture: Optional[str] = None  # e.g. "LlamaForCausalLM", as read from the model file
 
 
 class ModelList(OpenAIBaseModel):
