@@ -50,7 +50,8 @@ class FakeEngine:
     def __init__(self, crash_at_step=None, step_s=0.002):
         self.config = SimpleNamespace(
             model=SimpleNamespace(served_model_name="fake", max_model_len=64, vocab_size=100, max_logprobs=5,
-                                  chat_template=None, model="/fake", dtype="float32"),
+                                  chat_template=None, model="/fake", dtype="float32",
+                                  architecture="FakeForCausalLM"),
             cache=SimpleNamespace(block_size=16))
         self.tokenizer = FakeTokenizer()
         self.engine_core = self

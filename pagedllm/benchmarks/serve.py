@@ -159,7 +159,9 @@ async def run_level(base_url: str, reqs: list[BenchRequest], *, backend: str, mo
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = max_concurrency or len(reqs)
-    conn = aiohttp.TCPConnector(limit=limit + 2, force_close=False)
+    # A fresh connection per request (as vLLM's client does): a pooled keep-alive connection that the server has
+    # closed meanwhile (llama-server does) fails with "Can not write request body".
+    conn = aiohttp.TCPConnector(limit=limit + 2, force_close=True)
     async with aiohttp.ClientSession(connector=conn, trust_env=False) as session:
         for w in range(num_warmups):
             warm = BenchRequest(prompt=reqs[w % len(reqs)].prompt, prompt_token_ids=reqs[w % len(reqs)].prompt_token_ids,
