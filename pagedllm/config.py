@@ -35,6 +35,7 @@ class ModelConfig:
     chat_template: Optional[str] = None
     is_gguf: bool = False
     skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids and no text is produced
+    quantization: Any = None  # a layers.quantization.QuantConfig (None: dense in dtype)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -150,6 +152,16 @@ class EngineArgs:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}.")
 
+    def _quant_config(self, model: str, hf_config: Any, architecture: str) -> Any:
+        from pagedllm.layers.quantization import resolve_quant_config
+        from pagedllm.models.registry import get_model_class
+
+        try:
+            cls = get_model_class(architecture)
+        except ValueError:
+            cls = None
+        return resolve_quant_config(self.quantization, model, hf_config, cls, self.tensor_parallel_size)
+
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model, reads its config and builds the frozen config (KV block count still 0).
 
@@ -169,6 +181,7 @@ class EngineArgs:
         hf_config = load_hf_config(model)
         architecture = get_architecture(hf_config)
         dtype = resolve_dtype(self.dtype, hf_config)
+        quant_config = self._quant_config(model, hf_config, architecture)
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 8192
         max_model_len = self.max_model_len or max_pos
         vocab_size = int(hf_config.vocab_size)
@@ -200,6 +213,7 @@ class EngineArgs:
                 chat_template=chat_template,
                 is_gguf=is_gguf,
                 skip_tokenizer_init=self.skip_tokenizer_init,
+                quantization=quant_config,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

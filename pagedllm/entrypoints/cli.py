@@ -32,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Model name reported by the API and accepted in requests (default: the model path).")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="Weight and activation dtype. auto = bfloat16 on CPUs with AVX-512-BF16/AMX, else float32.")
+    g.add_argument("--quantization", "-q", default=None,
+                   choices=["auto", "none", "gguf", "gptq", "awq", "int8"],
+                   help="Weight quantization. Default auto: as the checkpoint is stored (a GGUF runs quantized; "
+                        "GPTQ/AWQ from config.json). none: dense in --dtype (a GGUF is dequantized).")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Longest sequence (prompt + output) in tokens (default: the model's context length).")
     g.add_argument("--max-num-seqs", type=int, default=256, help="Most requests in one step's batch.")

@@ -25,6 +25,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.layers.quantization.gguf import UNQUANTIZED_TYPES, GGUFWeight
+
 _GGUF_MAGIC = b"GGUF"
 
 _SCALAR_FORMATS = {
@@ -217,6 +219,12 @@ def _to_torch(data: np.ndarray, info: GGUFTensorInfo, dtype: torch.dtype) -> tor
     return out.reshape(info.shape).to(dtype)
 
 
+def dequantize_blocks(data: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 ``shape`` from a tensor's raw ggml bytes (uint8, any shape)."""
+    info = GGUFTensorInfo("", tuple(shape), ggml_type, 0, data.numel())
+    return _to_torch(data.reshape(-1).numpy(), info, torch.float32)
+
+
 # GGUF tensor name -> HF name. "{bid}" is the layer index.
 GGUF_TO_HF_NAMES: dict[str, str] = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -282,9 +290,12 @@ def unpermute_qk(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def iterate_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(
+    path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+) -> Iterator[tuple[str, Any]]:
     """Yields ``(hf_name, tensor)`` for every tensor of a Llama/Mistral/Qwen2/Qwen3/Gemma3 GGUF, dequantized to
     ``dtype`` (Gemma's norm weights back in HF's zero-centred form: GGUF weight - 1, computed in float32).
+    With ``keep_quantized``, quantized matrices come as ``GGUFWeight`` (raw blocks, Q/K rows already unpermuted).
 
     Raises:
         ValueError: for a tensor name with no HF counterpart (e.g. ``rope_freqs.weight``, llama3 rope scaling
@@ -303,14 +314,19 @@ def iterate_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Itera
             hf_name = gguf_to_hf_name(info.name, arch)
             if hf_name is None:
                 raise ValueError(f"{path}: GGUF tensor {info.name!r} ({arch}) is not supported")
-            if norm_plus_one and info.name.endswith("norm.weight"):
+            if keep_quantized and len(info.shape) == 2 and info.ggml_type not in UNQUANTIZED_TYPES:
+                data = torch.from_numpy(raw[info.offset : info.offset + info.nbytes]).view(info.shape[0], -1)
+                tensor = GGUFWeight(info.ggml_type, info.shape, data)
+            elif norm_plus_one and info.name.endswith("norm.weight"):
                 tensor = (_to_torch(raw[info.offset : info.offset + info.nbytes], info, torch.float32) - 1).to(dtype)
             else:
                 tensor = _to_torch(raw[info.offset : info.offset + info.nbytes], info, dtype)
-            if permute and ".q_proj." in hf_name:
-                tensor = unpermute_qk(tensor, n_heads)
-            elif permute and ".k_proj." in hf_name:
-                tensor = unpermute_qk(tensor, n_kv_heads)
+            if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
+                heads = n_heads if ".q_proj." in hf_name else n_kv_heads
+                if isinstance(tensor, GGUFWeight):  # a row permutation: whole rows of blocks move
+                    tensor = GGUFWeight(tensor.ggml_type, tensor.shape, unpermute_qk(tensor.data, heads))
+                else:
+                    tensor = unpermute_qk(tensor, heads)
             yield hf_name, tensor
     finally:
         del raw

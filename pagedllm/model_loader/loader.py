@@ -13,10 +13,11 @@ from pagedllm.model_loader.safetensors_loader import iterate_safetensors_weights
 from pagedllm.models.registry import get_model_class
 
 
-def iterate_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` pairs from a GGUF file (dequantized to ``dtype``) or an HF folder (checkpoint dtype)."""
+def iterate_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """``(hf_name, tensor)`` pairs from a GGUF file (dequantized to ``dtype``, or quantized ones as ``GGUFWeight``
+    with ``keep_quantized``) or an HF folder (checkpoint dtype)."""
     if is_gguf_file(path):
-        return iterate_gguf_weights(path, dtype)
+        return iterate_gguf_weights(path, dtype, keep_quantized)
     return iterate_safetensors_weights(path)
 
 
@@ -27,8 +28,11 @@ def load_model(model_config: Any) -> nn.Module:
         ValueError: for an unsupported architecture or weights that don't fit the model.
     """
     cls = get_model_class(model_config.architecture)
-    model = cls(model_config.hf_config, model_config.dtype, max_model_len=model_config.max_model_len)
-    model.load_weights(iterate_weights(model_config.model, model_config.dtype))
+    qc = getattr(model_config, "quantization", None)
+    kwargs = {"quant_config": qc} if qc is not None else {}
+    model = cls(model_config.hf_config, model_config.dtype, max_model_len=model_config.max_model_len, **kwargs)
+    keep_quantized = qc is not None and qc.method == "gguf"
+    model.load_weights(iterate_weights(model_config.model, model_config.dtype, keep_quantized))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -26,6 +26,7 @@ from torch import nn
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 # (fused parameter, checkpoint shard name, shard index): "…self_attn.k_proj.weight" fills rows
@@ -216,9 +217,13 @@ class LlamaForCausalLM(nn.Module):
         dtype: parameter and activation dtype (norms and rotary tables are computed in float32 first, as in HF).
         max_model_len: positions to cache rotary tables for, at least ``max_position_embeddings``
             (times ``factor`` for linear/dynamic rope scaling).
+        quant_config: a ``layers.quantization.QuantConfig``: linears (and embeddings) are built quantized.
     """
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None) -> None:
+    supports_quantization = True
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None,
+                 quant_config: Any = None) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
@@ -230,6 +235,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         self.sliding_window: Optional[int] = self.model.sliding_window
+        self.quant_modules = quantize_model(self, quant_config) if quant_config is not None else {}
         # fused parameter name -> row counts of its shards, for load_weights
         self._shard_sizes: dict[str, tuple[int, ...]] = {}
         for mod_name, mod in self.named_modules():
@@ -257,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
+        if self.quant_modules and not isinstance(self.lm_head, (nn.Linear, nn.Embedding)):
+            return self.lm_head.logits(hidden_states).float()
         return F.linear(hidden_states, self.lm_head.weight).float()
 
     @torch.no_grad()
@@ -282,6 +290,8 @@ class LlamaForCausalLM(nn.Module):
                 if f".{shard_name}." in name:
                     target, shard = name.replace(f".{shard_name}.", f".{fused}."), shard_id
                     break
+            if self.quant_modules and load_quantized(self.quant_modules, target, shard, tensor):
+                continue
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
@@ -295,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add((target, shard or 0))
+        finish_quantized_loading(self.quant_modules)
         missing = sorted({name for name, _ in expected - loaded})
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}"

@@ -1,0 +1,174 @@
+"""The two weight layouts quantized linears run on, and the matmuls over them.
+
+Every scheme is converted at load into one of two canonical forms, then packed once:
+
+- ``Int4Groups``: 4-bit codes ``q`` in [0, 15] with a float scale and a float *zero* per group of ``group_size``
+  input features; ``w = (q - 8) * scale + zero``. This is the form of PyTorch's CPU int4 weight-only matmul
+  (``aten._weight_int4pack_mm_for_cpu``, used by gpt-fast and torchao's Int4CPULayout): checked numerically, the op
+  computes ``x @ ((q - 8) * s + z).T`` with ``scales_and_zeros [K / group, N, 2]`` in the activation dtype.
+  GGUF Q4_0 (``d * (q - 8)``) has zero 0; Q4_1 (``d * q + m``) has zero ``m + 8 d``; GPTQ / AWQ
+  (``s * (q - z_int)``) have zero ``s * (8 - z_int)``.
+- ``Int8Rows``: int8 codes with one scale per output row (``aten._weight_int8pack_mm``).
+
+The int4 op costs about the same per activation row at any batch (no weight reuse across rows), so from
+``DENSE_FALLBACK_MIN_TOKENS`` rows on (prefill) the weight is expanded to the activation dtype for one dense matmul.
+
+Measured (1 thread, bf16, SmolLM2 shapes, microseconds; see README "Quantization"):
+
+| N x K | batch | bf16 F.linear | int4pack g32 | int8pack |
+|---|---|---|---|---|
+| 576 x 576 | 1 / 32 | 69 / 77 | 28 / 354 | 33 / 382 |
+| 1536 x 576 | 1 / 32 | 138 / 186 | 65 / 939 | 72 / 1020 |
+| 576 x 1536 | 1 / 32 | 173 / 213 | 68 / 910 | 62 / 889 |
+| 49152 x 576 | 1 / 32 | 5811 / 9808 | 1921 / 35260 | 2277 / 37345 |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# The CPU int4 pack lays 64 output rows side by side (byte j of a k-column holds rows j and j + 32 of the block);
+# padding N to a multiple of 64 keeps the layout simple to expand again (and the op needs N % 16 == 0 anyway).
+INT4_BLOCK_N = 64
+INT4_KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+# From this many activation rows on, expanding the weight and one dense matmul beats the int4 op (measured:
+# expanding 576 x 1536 costs ~1.4 ms, the op ~28 us per row against ~5 us per row dense).
+DENSE_FALLBACK_MIN_TOKENS = 64
+
+
+@dataclass
+class Int4Groups:
+    """``w[n, k] = (q[n, k] - 8) * scale[n, k // group_size] + zero[n, k // group_size]`` (float32 scale/zero).
+
+    ``perm`` (act-order GPTQ): input feature ``k`` of this layout is feature ``perm[k]`` of the checkpoint, so the
+    layer computes ``x[:, perm] @ w.T``.
+    """
+
+    q: torch.Tensor  # [N, K] integer in [0, 15]
+    scale: torch.Tensor  # [N, K / group_size] float32
+    zero: torch.Tensor  # [N, K / group_size] float32
+    group_size: int
+    perm: Optional[torch.Tensor] = None  # [K] int64
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] in the checkpoint's input-feature order."""
+        g = self.group_size
+        w = (self.q.float() - 8).view(self.q.shape[0], -1, g) * self.scale[..., None] + self.zero[..., None]
+        w = w.view(self.q.shape)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
+
+    @staticmethod
+    def cat(parts: list["Int4Groups"]) -> "Int4Groups":
+        """Stacks shards along N (same K, group size and permutation)."""
+        return Int4Groups(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+            parts[0].group_size,
+            parts[0].perm,
+        )
+
+
+@dataclass
+class Int8Rows:
+    """``w[n, k] = q[n, k] * scale[n]``."""
+
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+    @staticmethod
+    def quantize(w: torch.Tensor) -> "Int8Rows":
+        """Symmetric per-row int8 of a float weight (absmax / 127)."""
+        w = w.float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+        return Int8Rows(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale)
+
+    @staticmethod
+    def cat(parts: list["Int8Rows"]) -> "Int8Rows":
+        return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def quantize_int4_minmax(w: torch.Tensor, group_size: int = 32) -> Int4Groups:
+    """Asymmetric min-max int4 of a float weight ``[N, K]`` per group (the requantization for types without a
+    kernel, e.g. Q4_K: exact for a group whose codes span 0..15)."""
+    n, k = w.shape
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(n, k)
+    return Int4Groups(q, scale, lo + 8 * scale, group_size)
+
+
+def int4_kernel_supports(n_in: int, group_size: int) -> bool:
+    return group_size % 32 == 0 and n_in % group_size == 0 and n_in % 32 == 0
+
+
+class PackedInt4:
+    """An ``Int4Groups`` packed for ``aten._weight_int4pack_mm_for_cpu`` (tensors registered on a module)."""
+
+    @staticmethod
+    def pack(w: Int4Groups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        n, k = w.q.shape
+        g = w.group_size
+        kernel_g = next(kg for kg in INT4_KERNEL_GROUP_SIZES if g % kg == 0 and k % kg == 0)
+        scale, zero = w.scale, w.zero
+        if kernel_g != g:  # a group of 128 is four groups of 32 with the same scale and zero: exact
+            scale, zero = scale.repeat_interleave(g // kernel_g, 1), zero.repeat_interleave(g // kernel_g, 1)
+        n_pad = -n % INT4_BLOCK_N
+        q = w.q.to(torch.int32)
+        if n_pad:
+            q = F.pad(q, (0, 0, 0, n_pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, n_pad)), F.pad(zero, (0, 0, 0, n_pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 8)  # [N_pad, K / 2] uint8
+        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K / g, N_pad, 2]
+        out = {"packed": packed, "scales_and_zeros": scales_and_zeros,
+               "kernel_group": torch.tensor(kernel_g), "n_out": torch.tensor(n)}
+        if w.perm is not None:
+            out["perm"] = w.perm.to(torch.int64)
+        return out
+
+    @staticmethod
+    def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+        """uint8 codes ``[N_pad, K]`` from the CPU pack: viewed as ``[N_pad / 64, K, 32]`` bytes, byte ``(b, k, j)``
+        holds row ``64 b + j`` in its low nibble and row ``64 b + 32 + j`` in its high one."""
+        n_pad, k = packed.shape[0], packed.shape[1] * 2
+        p = packed.view(n_pad // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
+        q = torch.stack([p & 0x0F, p >> 4], dim=2)  # [B, K, 2, 32]
+        return q.view(n_pad // INT4_BLOCK_N, k, INT4_BLOCK_N).transpose(1, 2).reshape(n_pad, k)
+
+    @staticmethod
+    def expand(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[N_pad, K]`` in ``dtype`` (same values the op uses, rounded once to ``dtype``)."""
+        q = PackedInt4.unpack_codes(packed)
+        n_pad, k = q.shape
+        sz = scales_and_zeros.transpose(0, 1)  # [N_pad, K / g, 2]
+        w = q.view(n_pad, k // kernel_g, kernel_g).to(dtype).sub_(8)
+        return w.mul_(sz[..., 0:1]).add_(sz[..., 1:2]).view(n_pad, k)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
+                n_out: int) -> torch.Tensor:
+    """``x [T, K] @ w.T -> [T, n_out]``."""
+    if x.shape[0] >= DENSE_FALLBACK_MIN_TOKENS:
+        y = F.linear(x, PackedInt4.expand(packed, scales_and_zeros, kernel_g, x.dtype))
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_g, scales_and_zeros)
+    if y.shape[1] != n_out:
+        y = y[:, :n_out].contiguous()
+    return y
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] @ (q * scale[:, None]).T -> [T, N]`` (``scale`` in x's dtype)."""
+    if x.shape[0] >= DENSE_FALLBACK_MIN_TOKENS:
+        return F.linear(x, q.to(x.dtype)) * scale
+    return torch.ops.aten._weight_int8pack_mm(x, q, scale)

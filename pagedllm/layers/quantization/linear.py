@@ -1,0 +1,193 @@
+"""``QuantLinear`` / ``QuantEmbedding``: modules that collect checkpoint shards while loading, then pack them once.
+
+A fused layer (``qkv_proj``, ``gate_up_proj``) receives its shards separately (``load_shard(shard_id, name, t)``);
+``process_weights_after_loading`` converts each to a canonical form (``kernels.Int4Groups`` or ``Int8Rows``),
+stacks them along the outputs and packs the result. Shards of different forms (a GGUF Q4_K_M file stores
+``attn_v`` as Q6_K next to Q4_K q/k) fall back to per-row int8 for the whole layer; a dense shard makes it dense.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.quantization.kernels import (
+    Int4Groups,
+    Int8Rows,
+    PackedInt4,
+    int4_kernel_supports,
+    int4_matmul,
+    int8_matmul,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with ``W`` kept as int4 groups, int8 rows, or dense (``self.kind``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant_config: Any,
+                 output_sizes: Optional[tuple[int, ...]] = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.quant_config = quant_config
+        self.output_sizes = tuple(output_sizes) if output_sizes else (out_features,)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.kind = "loading"
+        self._shards: dict[int, dict[str, Any]] = {}
+
+    def load_shard(self, shard_id: int, name: str, tensor: Any) -> None:
+        self._shards.setdefault(shard_id, {})[name] = tensor
+
+    def _canonical(self, shard_id: int) -> Int4Groups | Int8Rows | torch.Tensor:
+        from pagedllm.layers.quantization.gguf import GGUFWeight, gguf_to_canonical
+
+        parts = self._shards.get(shard_id)
+        if not parts:
+            raise ValueError(f"checkpoint is missing shard {shard_id} of a quantized layer ({self.extra_repr()})")
+        qc = self.quant_config
+        if "qweight" in parts:
+            if qc.method == "gptq":
+                from pagedllm.layers.quantization.gptq import gptq_to_int4
+
+                return gptq_to_int4(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
+                                    qc.group_size, 0 if qc.checkpoint_format == "gptq_v2" else 1)
+            if qc.method == "awq":
+                from pagedllm.layers.quantization.awq import awq_to_int4
+
+                return awq_to_int4(parts["qweight"], parts["qzeros"], parts["scales"], qc.group_size)
+            raise ValueError(f"quantization={qc.method!r}: the checkpoint has packed qweight tensors")
+        w = parts["weight"]
+        if isinstance(w, GGUFWeight):
+            return gguf_to_canonical(w)
+        if qc.method == "int8":
+            return Int8Rows.quantize(w)
+        return w
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        parts = [self._canonical(i) for i in range(len(self.output_sizes))]
+        self._shards = {}
+        for part, size in zip(parts, self.output_sizes):
+            rows = part.q.shape[0] if not isinstance(part, torch.Tensor) else part.shape[0]
+            if rows != size:
+                raise ValueError(f"quantized weight has {rows} output rows, expected {size} ({self.extra_repr()})")
+        int4 = all(isinstance(p, Int4Groups) for p in parts)
+        if int4 and len(parts) > 1:
+            perms = [p.perm for p in parts]
+            same_perm = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                            for a, b in zip(perms, perms[1:]))
+            int4 = same_perm and len({p.group_size for p in parts}) == 1
+        if int4 and int4_kernel_supports(self.in_features, parts[0].group_size):
+            self.kind = "int4"
+            packed = PackedInt4.pack(Int4Groups.cat(parts), self.dtype)
+            self._kernel_group, self._n_out = int(packed.pop("kernel_group")), int(packed.pop("n_out"))
+            if "perm" not in packed:
+                self.perm = None
+            for name, t in packed.items():
+                self.register_buffer(name, t, persistent=False)
+        elif all(isinstance(p, torch.Tensor) for p in parts):
+            self.kind = "dense"
+            self.register_buffer("weight", torch.cat([p.to(self.dtype) for p in parts]), persistent=False)
+        else:
+            as_int8 = [p if isinstance(p, Int8Rows) else Int8Rows.quantize(
+                p.dequantize() if not isinstance(p, torch.Tensor) else p) for p in parts]
+            if not all(isinstance(p, Int8Rows) for p in parts):
+                logger.info("layer %s: shards of mixed forms; requantized to per-row int8", self.extra_repr())
+            self.kind = "int8"
+            w = Int8Rows.cat(as_int8)
+            self.register_buffer("qweight", w.q.contiguous(), persistent=False)
+            self.register_buffer("scale", w.scale.to(self.dtype), persistent=False)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 ``[N, K]`` as the layer computes with it (checkpoint input order)."""
+        if self.kind == "int4":
+            q = PackedInt4.unpack_codes(self.packed)[: self._n_out]
+            sz = self.scales_and_zeros.float()[:, : self._n_out]  # [K / g, N, 2]
+            w = Int4Groups(q, sz[..., 0].t(), sz[..., 1].t(), self._kernel_group, self.perm)
+            return w.dequantize()
+        if self.kind == "int8":
+            return self.qweight.float() * self.scale.float()[:, None]
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.kind == "int4":
+            if self.perm is not None:
+                x = x.index_select(-1, self.perm)
+            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out)
+        elif self.kind == "int8":
+            y = int8_matmul(x, self.qweight, self.scale)
+        else:
+            y = F.linear(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    logits = forward  # as a (untied) lm_head
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding (and tied lm_head) kept as per-row int8: a row's scale serves both the lookup and the
+    logits matmul. A dense checkpoint tensor stays dense."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, quant_config: Any) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        self.quant_config = quant_config
+        self.output_sizes = None
+        self.kind = "loading"
+        self._weight: Any = None
+
+    def load_shard(self, shard_id: int, name: str, tensor: Any) -> None:
+        self._weight = tensor
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        from pagedllm.layers.quantization.gguf import GGUFWeight, gguf_to_canonical
+
+        w, self._weight = self._weight, None
+        if w is None:
+            raise ValueError("checkpoint is missing the token embedding")
+        if isinstance(w, GGUFWeight):
+            w = gguf_to_canonical(w)
+            if isinstance(w, Int4Groups):
+                logger.info("embedding: int4 GGUF type requantized to per-row int8")
+                w = Int8Rows.quantize(w.dequantize())
+        elif self.quant_config.method == "int8":
+            w = Int8Rows.quantize(w)
+        if isinstance(w, Int8Rows):
+            self.kind = "int8"
+            self.register_buffer("qweight", w.q.contiguous(), persistent=False)
+            self.register_buffer("scale", w.scale.to(self.dtype), persistent=False)
+        else:
+            self.kind = "dense"
+            self.register_buffer("weight", w.to(self.dtype).contiguous(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        if self.kind == "dense":
+            return F.embedding(input_ids, self.weight)
+        return self.qweight[input_ids].to(self.dtype) * self.scale[input_ids, None]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]
+        if self.kind == "dense":
+            return F.linear(x, self.weight)
+        return int8_matmul(x, self.qweight, self.scale)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.kind == "dense":
+            return self.weight.float()
+        return self.qweight.float() * self.scale.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"
