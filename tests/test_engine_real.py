@@ -40,7 +40,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm32():
-    return LLM(dtype="float32", kv_cache_memory_bytes=512 << 20, max_model_len=1024)
+    return LLM(dtype="float32", kv_cache_memory_bytes=512 << 20, max_model_len=1024, quantization="none")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_seeded_sampling_alone_equals_in_batch(llm32):
 
 
 def test_bf16_batch_invariance_relaxed():
-    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=256 << 20, max_model_len=1024, quantization="none")
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in PROMPTS[:6]]
     batch = [o.outputs[0] for o in llm.generate(PROMPTS, sp, use_tqdm=False)[:6]]

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm_on():
-    return LLM(dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512)
+    return LLM(dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512, quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def qwen():
     t0 = time.perf_counter()
-    llm = LLM(qwen25_05b_path(), dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    llm = LLM(qwen25_05b_path(), dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512,
+              quantization="none")
     load_s = time.perf_counter() - t0
     model = llm.llm_engine.engine_core.runner.model
     hf = hf_reference(model)

@@ -1,0 +1,387 @@
+"""Quantized linears (``--quantization``): each scheme against ``x @ dequant(W).T``, tiny models quantized vs
+dequantized, and the real SmolLM2 GGUF (memory, greedy output).
+
+GPTQ and AWQ fixtures: no such checkpoint can be downloaded here, so ``gptq_pack`` / ``awq_pack`` below build them
+from a tiny random weight with a plain round-to-nearest quantizer, written from the formats' documented packing:
+- GPTQ: AutoGPTQ ``auto_gptq/nn_modules/qlinear/qlinear_cuda_old.py`` ``QuantLinear.pack`` (the layout vLLM's
+  ``gptq.py`` and GPTQModel read): ``qweight [K/8, N]`` int32 with input ``8r + j`` in bits ``4j`` of row ``r``;
+  ``qzeros [G, N/8]`` int32 with output ``8c + j`` in bits ``4j`` of column ``c``, storing ``zero - 1``;
+  ``scales [G, N]`` fp16; ``g_idx [K]`` int32 (act-order: groups follow a permutation of the inputs).
+- AWQ: AutoAWQ ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear``: ``qweight [K, N/8]`` int32 packed along
+  the outputs with ``order_map = [0, 2, 4, 6, 1, 3, 5, 7]`` (nibble ``i`` holds output ``8c + order_map[i]``),
+  ``qzeros [K/g, N/8]`` packed the same way (no offset), ``scales [K/g, N]`` fp16.
+The reference weight is computed from the integer codes before packing, so packing and unpacking are both checked.
+
+Tolerances (``x`` standard normal): float32 activations ``atol = rtol = 1e-4`` (summation order only; the int4 op
+accumulates in float32); bfloat16 activations: relative error of the output's norm below 1% (scale/zero and the
+output are rounded to bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from pagedllm.config import EngineArgs
+from pagedllm.layers.quantization import QuantConfig, QuantLinear, resolve_quant_config
+from pagedllm.layers.quantization.awq import AWQ_ORDER
+from pagedllm.layers.quantization.gguf import GGUFWeight
+from pagedllm.layers.quantization.kernels import DENSE_FALLBACK_MIN_TOKENS
+from pagedllm.model_loader import load_model
+from test_loader import VOCAB, _greedy, _model_config, _randomize_norms, _tiny_llama_cfg, _write_gguf
+
+F32_TOL = dict(atol=1e-4, rtol=1e-4)
+BF16_REL = 0.01
+
+
+def _check(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
+    """Forward at a kernel-sized and a prefill-sized batch vs ``x @ ref_w.T`` (float32)."""
+    torch.manual_seed(1)
+    for t in (1, 5, DENSE_FALLBACK_MIN_TOKENS + 3):
+        x = torch.randn(t, k, dtype=layer.dtype)
+        got = layer(x).float()
+        ref = x.float() @ ref_w.t()
+        if layer.dtype == torch.float32:
+            torch.testing.assert_close(got, ref, **F32_TOL)
+        else:
+            assert (got - ref).norm() / ref.norm() < BF16_REL
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+# K-quants gguf can't quantize: random blocks with small finite f16 super-scales at these byte offsets.
+_K_QUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def _gguf_weight(qtype, n: int, k: int, seed: int = 0) -> GGUFWeight:
+    rng = np.random.default_rng(seed)
+    if qtype in _K_QUANT_SCALE_OFFSETS:
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, size=(n * k // block_size, type_size), dtype=np.uint8)
+        for off in _K_QUANT_SCALE_OFFSETS[qtype]:
+            blocks[:, off : off + 2] = np.full((len(blocks), 1), 2e-3, dtype=np.float16).view(np.uint8)
+        return GGUFWeight(qtype, (n, k), torch.from_numpy(blocks.reshape(n, -1)))
+    blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    return GGUFWeight(qtype, (n, k), torch.from_numpy(blocks.copy()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype,n,k,kind", [
+    (Q.Q4_0, 64, 96, "int4"), (Q.Q4_1, 37, 160, "int4"), (Q.Q4_1, 192, 576, "int4"),
+    (Q.Q8_0, 100, 96, "int8"), (Q.Q5_0, 48, 64, "int8"), (Q.Q4_K, 40, 256, "int4"), (Q.Q6_K, 16, 256, "int8"),
+])
+def test_gguf_linear_equals_dequantized(qtype, n, k, kind, dtype):
+    w = _gguf_weight(qtype, n, k)
+    layer = QuantLinear(k, n, False, dtype, QuantConfig("gguf"))
+    layer.load_shard(0, "weight", w)
+    layer.process_weights_after_loading()
+    assert layer.kind == kind
+    gguf_ref = torch.from_numpy(dequantize(w.data.numpy(), qtype)).reshape(n, k).float()
+    if qtype in (Q.Q4_0, Q.Q4_1):  # exact layouts: the layer holds the GGUF values (scale/zero in the act dtype)
+        if dtype == torch.float32:
+            torch.testing.assert_close(layer.dequantized_weight(), gguf_ref, atol=1e-6, rtol=1e-6)
+        _check(layer, gguf_ref, k)
+    else:  # requantized at load: the layer computes with its own weight, which stays near GGUF's
+        if kind == "int8" and dtype == torch.float32:  # within half a per-row int8 step
+            step = gguf_ref.abs().amax(1, keepdim=True) / 127
+            assert ((layer.dequantized_weight() - gguf_ref).abs() <= step * 0.501).all()
+        assert (layer.dequantized_weight() - gguf_ref).norm() / gguf_ref.norm() < (0.02 if kind == "int8" else 0.1)
+        _check(layer, layer.dequantized_weight(), k)
+
+
+def test_gguf_fused_shards_stack_in_order():
+    sizes = (64, 32, 32)
+    ws = [_gguf_weight(Q.Q4_1, s, 128, seed=i) for i, s in enumerate(sizes)]
+    layer = QuantLinear(128, sum(sizes), True, torch.float32, QuantConfig("gguf"), sizes)
+    for i in (2, 0, 1):  # any arrival order
+        layer.load_shard(i, "weight", ws[i])
+    layer.bias.data.normal_()
+    layer.process_weights_after_loading()
+    ref = torch.cat([w.dequantize() for w in ws])
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(layer(x), x @ ref.t() + layer.bias, **F32_TOL)
+
+
+def test_gguf_mixed_shards_fall_back_to_int8():
+    layer = QuantLinear(256, 96, False, torch.float32, QuantConfig("gguf"), (64, 32))
+    layer.load_shard(0, "weight", _gguf_weight(Q.Q4_0, 64, 256))
+    layer.load_shard(1, "weight", _gguf_weight(Q.Q6_K, 32, 256))
+    layer.process_weights_after_loading()
+    assert layer.kind == "int8"
+    _check(layer, layer.dequantized_weight(), 256)
+
+
+def test_int8_weight_only_from_dense():
+    w = torch.randn(45, 96)
+    layer = QuantLinear(96, 45, False, torch.float32, QuantConfig("int8"))
+    layer.load_shard(0, "weight", w)
+    layer.process_weights_after_loading()
+    assert layer.kind == "int8"
+    assert (layer.dequantized_weight() - w).abs().max() <= w.abs().max() / 127
+    _check(layer, layer.dequantized_weight(), 96)
+
+
+# ---------------------------------------------------------------- GPTQ / AWQ reference quantizer and packers
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy((x.numpy().astype(np.int64) & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
+
+
+def _pack_rows(q: torch.Tensor) -> torch.Tensor:  # [8R, C] codes -> [R, C]: row 8r + j at bits 4j
+    q = q.long().view(-1, 8, q.shape[1])
+    return _to_int32(sum(q[:, j] << (4 * j) for j in range(8)))
+
+
+def _pack_cols(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:  # [R, 8C] -> [R, C]: nibble i = col order[i]
+    q = q.long().view(q.shape[0], -1, 8)
+    return _to_int32(sum(q[:, :, order[i]] << (4 * i) for i in range(8)))
+
+
+def rtn_quantize(w: torch.Tensor, group_size: int, sym: bool, g_idx: torch.Tensor):
+    """Round-to-nearest 4-bit per (group, output). Returns ``q [K, N]``, ``zeros [G, N]``, ``scales [G, N]`` fp16 and
+    the reference weight ``[N, K]`` = ``scales[g_idx[k], n] * (q[k, n] - zeros[g_idx[k], n])``."""
+    n, k = w.shape
+    n_groups = k // group_size
+    q = torch.empty(k, n, dtype=torch.int64)
+    zeros = torch.empty(n_groups, n, dtype=torch.int64)
+    scales = torch.empty(n_groups, n, dtype=torch.float16)
+    for g in range(n_groups):
+        cols = (g_idx == g).nonzero().flatten()
+        wg = w[:, cols]  # [N, group]
+        if sym:
+            s = (wg.abs().amax(1) / 7.5).clamp_min(1e-8)
+            z = torch.full((n,), 8, dtype=torch.int64)
+        else:
+            lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+            s = ((hi - lo) / 15).clamp_min(1e-8)
+            z = torch.round(-lo / s).long().clamp(0, 15)
+        s16 = s.half()
+        q[cols] = torch.round(wg / s16.float()[:, None] + z[:, None]).clamp(0, 15).long().t()
+        zeros[g], scales[g] = z, s16
+    ref = (scales.float()[g_idx] * (q - zeros[g_idx]).float()).t()  # [N, K]
+    return q, zeros, scales, ref
+
+
+def gptq_pack(w: torch.Tensor, group_size: int, sym: bool, act_order: bool, seed: int = 0):
+    """GPTQ tensors ``{qweight, qzeros, scales, g_idx}`` for ``w [N, K]`` and the reference weight."""
+    n, k = w.shape
+    g_idx = torch.arange(k, dtype=torch.int32) // group_size
+    if act_order:  # groups formed in a permuted input order, as desc_act does
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        g_idx = torch.empty(k, dtype=torch.int32).index_copy_(0, perm, g_idx)
+    q, zeros, scales, ref = rtn_quantize(w, group_size, sym, g_idx.long())
+    t = {"qweight": _pack_rows(q), "qzeros": _pack_cols(zeros - 1), "scales": scales, "g_idx": g_idx}
+    return t, ref
+
+
+def awq_pack(w: torch.Tensor, group_size: int):
+    n, k = w.shape
+    q, zeros, scales, ref = rtn_quantize(w, group_size, False, torch.arange(k) // group_size)
+    return {"qweight": _pack_cols(q, AWQ_ORDER), "qzeros": _pack_cols(zeros, AWQ_ORDER), "scales": scales}, ref
+
+
+GPTQ_CASES = [(32, True, False), (64, False, False), (128, True, True), (32, False, True), (128, False, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size,sym,act_order", GPTQ_CASES)
+def test_gptq_linear_equals_dequantized(group_size, sym, act_order, dtype):
+    n, k = 72, 2 * group_size + (128 if group_size == 32 else 0)
+    torch.manual_seed(0)
+    tensors, ref = gptq_pack(torch.randn(n, k), group_size, sym, act_order)
+    layer = QuantLinear(k, n, False, dtype, QuantConfig("gptq", group_size=group_size, desc_act=act_order, sym=sym))
+    for name, t in tensors.items():
+        layer.load_shard(0, name, t)
+    layer.process_weights_after_loading()
+    assert layer.kind == "int4" and (layer.perm is not None) == act_order
+    if dtype == torch.float32:
+        torch.testing.assert_close(layer.dequantized_weight(), ref, atol=1e-6, rtol=1e-6)
+    _check(layer, ref, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size,n", [(32, 40), (64, 24), (128, 136)])
+def test_awq_linear_equals_dequantized(group_size, n, dtype):
+    k = 256
+    torch.manual_seed(0)
+    tensors, ref = awq_pack(torch.randn(n, k), group_size)
+    layer = QuantLinear(k, n, False, dtype, QuantConfig("awq", group_size=group_size, sym=False))
+    for name, t in tensors.items():
+        layer.load_shard(0, name, t)
+    layer.process_weights_after_loading()
+    assert layer.kind == "int4"
+    if dtype == torch.float32:
+        torch.testing.assert_close(layer.dequantized_weight(), ref, atol=1e-6, rtol=1e-6)
+    _check(layer, ref, k)
+
+
+# ---------------------------------------------------------------- tiny models: quantized == dequantized
+
+
+def _tiny_hf(tie: bool = False):
+    torch.manual_seed(0)
+    cfg = _tiny_llama_cfg(tie_word_embeddings=tie)
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    _randomize_norms(hf)
+    with torch.no_grad():  # larger weights: sharper logits, so greedy picks are not near-ties
+        for name, p in hf.named_parameters():
+            if "proj" in name or "embed" in name or "lm_head" in name:
+                p.normal_(0, 0.08)
+    return cfg, hf
+
+
+def _load(path: str, quantization):
+    mc = _model_config(path)
+    cls = __import__("pagedllm.models.registry", fromlist=["x"]).get_model_class(mc.architecture)
+    qc = resolve_quant_config(quantization, path, mc.hf_config, cls)
+    from dataclasses import replace
+    return load_model(replace(mc, quantization=qc))
+
+
+def _assert_same_greedy(a, b, prompts, n_new: int = 8) -> None:
+    for p in prompts:
+        assert _greedy(a, p, n_new) == _greedy(b, p, n_new), p
+
+
+PROMPTS = [[1, 17, 93, 4, 200, 31], [5, 6, 7], list(range(10, 80))]  # the last prefill takes the dense fallback
+
+
+def test_tiny_llama_gguf_quantized_greedy_equals_dequantized(tmp_path, monkeypatch):
+    import test_loader
+
+    monkeypatch.setattr(test_loader, "_QTYPES", {
+        "q_proj": Q.Q4_1, "k_proj": Q.Q4_0, "v_proj": Q.Q4_1, "o_proj": Q.Q4_0,
+        "gate_proj": Q.Q4_1, "up_proj": Q.Q4_1, "down_proj": Q.Q4_0, "lm_head": Q.Q4_1,
+    })
+    cfg, hf = _tiny_hf()
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(path, "llama", cfg, hf.state_dict())
+    quant, dense = _load(path, None), _load(path, "none")
+    kinds = {m.kind for m in quant.quant_modules.values()}
+    assert kinds == {"int4", "dense"}, kinds  # the F32 embedding stays dense
+    assert not dense.quant_modules
+    _assert_same_greedy(quant, dense, PROMPTS)
+
+
+def _write_quantized_folder(folder, cfg, hf, method: str, group_size: int, sym: bool, act_order: bool) -> dict:
+    """An HF folder with every linear of ``hf`` GPTQ/AWQ-packed; returns the dequantized state dict."""
+    state, ref_state = {}, {}
+    for name, t in hf.state_dict().items():
+        if name.endswith("proj.weight"):
+            base = name[: -len(".weight")]
+            if method == "gptq":
+                # one act-order per input size: q/k/v (and gate/up) see the same inputs, so real GPTQ
+                # checkpoints give them the same g_idx
+                tensors, ref = gptq_pack(t, group_size, sym, act_order, seed=t.shape[1])
+            else:
+                tensors, ref = awq_pack(t, group_size)
+            state.update({f"{base}.{k}": v.contiguous() for k, v in tensors.items()})
+            ref_state[name] = ref
+        else:
+            state[name] = t.contiguous()
+            ref_state[name] = t
+    folder.mkdir(exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"))
+    cfg_dict = cfg.to_dict()
+    qcfg = {"quant_method": method, "bits": 4, "group_size": group_size}
+    qcfg.update({"desc_act": act_order, "sym": sym} if method == "gptq" else {"version": "gemm", "zero_point": True})
+    cfg_dict["quantization_config"] = qcfg
+    (folder / "config.json").write_text(json.dumps(cfg_dict))
+    return ref_state
+
+
+@pytest.mark.parametrize("method,group_size,sym,act_order", [("gptq", 64, False, True), ("gptq", 128, True, False),
+                                                             ("awq", 32, False, False)])
+def test_tiny_llama_gptq_awq_greedy_equals_dequantized(tmp_path, method, group_size, sym, act_order):
+    cfg, hf = _tiny_hf()
+    ref_state = _write_quantized_folder(tmp_path / "q", cfg, hf, method, group_size, sym, act_order)
+    hf.load_state_dict(ref_state)
+    hf.save_pretrained(tmp_path / "dense")
+    quant = _load(str(tmp_path / "q"), None)
+    assert {m.kind for m in quant.quant_modules.values()} == {"int4"}
+    _assert_same_greedy(quant, _load(str(tmp_path / "dense"), None), PROMPTS)
+
+
+def test_quantization_errors(tmp_path):
+    cfg, hf = _tiny_hf()
+    _write_quantized_folder(tmp_path / "q", cfg, hf, "gptq", 64, True, False)
+    hf.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(model=str(tmp_path / "dense"), quantization="fp4").create_engine_config()
+    with pytest.raises(ValueError, match=r"quantization='awq' does not match the checkpoint \(gptq\)"):
+        EngineArgs(model=str(tmp_path / "q"), quantization="awq").create_engine_config()
+    with pytest.raises(ValueError, match=r"quantization='gguf' does not match the checkpoint \(unquantized\)"):
+        EngineArgs(model=str(tmp_path / "dense"), quantization="gguf").create_engine_config()
+    with pytest.raises(ValueError, match="quantization='none'"):
+        EngineArgs(model=str(tmp_path / "q"), quantization="none").create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        resolve_quant_config("int8", str(tmp_path / "dense"), cfg, type(_load(str(tmp_path / "dense"), None)), 2)
+    data = json.loads((tmp_path / "q" / "config.json").read_text())
+    data["quantization_config"]["bits"] = 8
+    (tmp_path / "q" / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="quantization_config.bits"):
+        EngineArgs(model=str(tmp_path / "q")).create_engine_config()
+    assert EngineArgs(model=str(tmp_path / "dense")).create_engine_config().model.quantization is None
+    assert EngineArgs(model=str(tmp_path / "dense"), quantization="int8").create_engine_config().model.quantization \
+        == QuantConfig("int8")
+
+
+def test_int8_weight_only_tiny_llama_close_to_dense(tmp_path):
+    cfg, hf = _tiny_hf(tie=True)
+    hf.save_pretrained(tmp_path / "dense")
+    quant, dense = _load(str(tmp_path / "dense"), "int8"), _load(str(tmp_path / "dense"), None)
+    assert quant.lm_head is quant.model.embed_tokens and quant.lm_head.kind == "int8"
+    from test_loader import _prefill_logits
+
+    a, b = _prefill_logits(quant, PROMPTS[0]), _prefill_logits(dense, PROMPTS[0])
+    assert (a - b).norm() / b.norm() < 0.05  # per-row int8 of N(0, 0.08) weights: ~3%
+
+
+# ---------------------------------------------------------------- the real SmolLM2 GGUF (Q4_1 layers, Q8_0 embedding)
+
+
+def _weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_memory_and_greedy():
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    quant, dense = LLM(**kw), LLM(quantization="none", **kw)
+    qm, dm = (x.llm_engine.engine_core.runner.model for x in (quant, dense))
+    assert qm.quant_modules and not dm.quant_modules  # the bundled GGUF runs quantized by default
+    q_bytes, d_bytes = _weight_bytes(qm), _weight_bytes(dm)
+    print(f"SmolLM2 weight bytes: quantized {q_bytes / 1e6:.1f} MB, bf16 {d_bytes / 1e6:.1f} MB "
+          f"({q_bytes / d_bytes:.1%})")
+    assert q_bytes <= 0.40 * d_bytes
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "The three primary colors are"]
+    exact = 0
+    for a, b in zip(quant.generate(prompts, sp, use_tqdm=False), dense.generate(prompts, sp, use_tqdm=False)):
+        a, b = a.outputs[0], b.outputs[0]
+        if a.token_ids == b.token_ids:
+            exact += 1
+            continue
+        i = next(k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+        assert a.token_ids[i] in b.logprobs[i] and b.token_ids[i] in a.logprobs[i], f"divergence at {i}"
+    print(f"greedy identical for {exact}/3 prompts; {time.perf_counter() - t0:.1f} s")
