@@ -35,7 +35,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.layers.quantization import QuantConfig, QuantLinear, resolve_quant_config
 from pagedllm.layers.quantization.awq import AWQ_ORDER
 from pagedllm.layers.quantization.gguf import GGUFWeight
-from pagedllm.layers.quantization.kernels import DENSE_FALLBACK_MIN_TOKENS
+from pagedllm.layers.quantization.kernels import DENSE_FALLBACK_MIN_TOKENS, INT4_GEMM_MIN_TOKENS
 from pagedllm.model_loader import load_model
 from test_loader import VOCAB, _greedy, _model_config, _randomize_norms, _tiny_llama_cfg, _write_gguf
 
@@ -44,9 +44,9 @@ BF16_REL = 0.01
 
 
 def _check(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
-    """Forward at a kernel-sized and a prefill-sized batch vs ``x @ ref_w.T`` (float32)."""
+    """Forward on each path (aten op, C batched kernel, expand + dense) vs ``x @ ref_w.T`` (float32)."""
     torch.manual_seed(1)
-    for t in (1, 5, DENSE_FALLBACK_MIN_TOKENS + 3):
+    for t in (1, INT4_GEMM_MIN_TOKENS - 1, INT4_GEMM_MIN_TOKENS + 7, DENSE_FALLBACK_MIN_TOKENS + 3):
         x = torch.randn(t, k, dtype=layer.dtype)
         got = layer(x).float()
         ref = x.float() @ ref_w.t()
@@ -97,6 +97,19 @@ def test_gguf_linear_equals_dequantized(qtype, n, k, kind, dtype):
             assert ((layer.dequantized_weight() - gguf_ref).abs() <= step * 0.501).all()
         assert (layer.dequantized_weight() - gguf_ref).norm() / gguf_ref.norm() < (0.02 if kind == "int8" else 0.1)
         _check(layer, layer.dequantized_weight(), k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_torch_paths_without_c_kernel(monkeypatch, dtype):
+    from pagedllm.layers.quantization import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", True)  # as after a failed build: aten op and torch expansion only
+    w = _gguf_weight(Q.Q4_1, 72, 128)
+    layer = QuantLinear(128, 72, False, dtype, QuantConfig("gguf"))
+    layer.load_shard(0, "weight", w)
+    layer.process_weights_after_loading()
+    _check(layer, w.dequantize(), 128)
 
 
 def test_gguf_fused_shards_stack_in_order():
@@ -231,7 +244,7 @@ def test_awq_linear_equals_dequantized(group_size, n, dtype):
 
 def _tiny_hf(tie: bool = False):
     torch.manual_seed(0)
-    cfg = _tiny_llama_cfg(tie_word_embeddings=tie)
+    cfg = _tiny_llama_cfg(tie_word_embeddings=tie, max_position_embeddings=256)
     hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     _randomize_norms(hf)
     with torch.no_grad():  # larger weights: sharper logits, so greedy picks are not near-ties
@@ -254,7 +267,8 @@ def _assert_same_greedy(a, b, prompts, n_new: int = 8) -> None:
         assert _greedy(a, p, n_new) == _greedy(b, p, n_new), p
 
 
-PROMPTS = [[1, 17, 93, 4, 200, 31], [5, 6, 7], list(range(10, 80))]  # the last prefill takes the dense fallback
+# prefills on each int4 path: aten op, C batched kernel, expand + dense
+PROMPTS = [[5, 6, 7], [1, 17, 93, 4, 200, 31, 8, 9, 60], list(range(10, 150))]
 
 
 def test_tiny_llama_gguf_quantized_greedy_equals_dequantized(tmp_path, monkeypatch):

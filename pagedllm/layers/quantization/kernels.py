@@ -10,8 +10,8 @@ Every scheme is converted at load into one of two canonical forms, then packed o
   (``s * (q - z_int)``) have zero ``s * (8 - z_int)``.
 - ``Int8Rows``: int8 codes with one scale per output row (``aten._weight_int8pack_mm``).
 
-The int4 op costs about the same per activation row at any batch (no weight reuse across rows), so from
-``DENSE_FALLBACK_MIN_TOKENS`` rows on (prefill) the weight is expanded to the activation dtype for one dense matmul.
+aten's int4 op costs about the same per activation row at any batch (no weight reuse across rows): batches of a
+few rows and more run on our C kernel, prefill expands the weight for one dense matmul (``int4_matmul``).
 
 Measured (1 thread, bf16, SmolLM2 shapes, microseconds; see README "Quantization"):
 
@@ -35,9 +35,14 @@ import torch.nn.functional as F
 # padding N to a multiple of 64 keeps the layout simple to expand again (and the op needs N % 16 == 0 anyway).
 INT4_BLOCK_N = 64
 INT4_KERNEL_GROUP_SIZES = (256, 128, 64, 32)
-# From this many activation rows on, expanding the weight and one dense matmul beats the int4 op (measured:
-# expanding 576 x 1536 costs ~1.4 ms, the op ~28 us per row against ~5 us per row dense).
-DENSE_FALLBACK_MIN_TOKENS = 64
+# Which int4 path runs a matmul of M activation rows (measured, 1 thread, bf16, SmolLM2 shapes; README):
+# M < INT4_GEMM_MIN_TOKENS: aten's op (fastest for decode of one or a few requests);
+# up to DENSE_FALLBACK_MIN_TOKENS: our C kernel (csrc/int4_cpu.c), which expands each weight tile once for all rows
+# (aten's op costs about the same per row at any M: 960x576 at M=32: aten 951 us, C 624 us, bf16 310 us);
+# from DENSE_FALLBACK_MIN_TOKENS on (prefill): expand the whole weight (C, 2-3x faster than in torch) + one dense
+# matmul (576x1536 at M=128: C gemm 3.4 ms, expand 2.1 ms + dense 1.0 ms).
+INT4_GEMM_MIN_TOKENS = 6
+DENSE_FALLBACK_MIN_TOKENS = 128
 
 
 @dataclass
@@ -157,9 +162,19 @@ class PackedInt4:
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
                 n_out: int) -> torch.Tensor:
-    """``x [T, K] @ w.T -> [T, n_out]``."""
-    if x.shape[0] >= DENSE_FALLBACK_MIN_TOKENS:
-        y = F.linear(x, PackedInt4.expand(packed, scales_and_zeros, kernel_g, x.dtype))
+    """``x [T, K] @ w.T -> [T, n_out]`` on the path for T rows (see ``INT4_GEMM_MIN_TOKENS``)."""
+    from pagedllm.layers.quantization import cpu_kernels
+
+    t = x.shape[0]
+    lib = cpu_kernels.get_lib() if t >= INT4_GEMM_MIN_TOKENS and x.dtype in (torch.bfloat16, torch.float32) else None
+    if t >= DENSE_FALLBACK_MIN_TOKENS:
+        if lib is not None:
+            w = cpu_kernels.int4_expand(packed, scales_and_zeros, kernel_g, x.dtype)
+        else:
+            w = PackedInt4.expand(packed, scales_and_zeros, kernel_g, x.dtype)
+        y = F.linear(x, w)
+    elif lib is not None:
+        return cpu_kernels.int4_gemm(x.contiguous(), packed, scales_and_zeros, kernel_g, n_out)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_g, scales_and_zeros)
     if y.shape[1] != n_out:
