@@ -35,7 +35,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.layers.quantization import QuantConfig, QuantLinear, resolve_quant_config
 from pagedllm.layers.quantization.awq import AWQ_ORDER
 from pagedllm.layers.quantization.gguf import GGUFWeight
-from pagedllm.layers.quantization.kernels import DENSE_FALLBACK_MIN_TOKENS, INT4_GEMM_MIN_TOKENS
+from pagedllm.layers.quantization.kernels import DENSE_FALLBACK_MIN_TOKENS, INT4_GEMM_MIN_TOKENS, INT8_GEMM_MIN_TOKENS
 from pagedllm.model_loader import load_model
 from test_loader import VOCAB, _greedy, _model_config, _randomize_norms, _tiny_llama_cfg, _write_gguf
 
@@ -44,9 +44,10 @@ BF16_REL = 0.01
 
 
 def _check(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
-    """Forward on each path (aten op, C batched kernel, expand + dense) vs ``x @ ref_w.T`` (float32)."""
+    """Forward on each path (aten ops, C batched kernels, expand + dense) vs ``x @ ref_w.T`` (float32)."""
     torch.manual_seed(1)
-    for t in (1, INT4_GEMM_MIN_TOKENS - 1, INT4_GEMM_MIN_TOKENS + 7, DENSE_FALLBACK_MIN_TOKENS + 3):
+    for t in (1, INT4_GEMM_MIN_TOKENS - 1, INT4_GEMM_MIN_TOKENS + 7, INT8_GEMM_MIN_TOKENS + 5,
+              DENSE_FALLBACK_MIN_TOKENS + 3):
         x = torch.randn(t, k, dtype=layer.dtype)
         got = layer(x).float()
         ref = x.float() @ ref_w.t()

@@ -1,5 +1,5 @@
-"""Builds (once, with the system C compiler) and loads ``csrc/int4_cpu.c``: the batched int4 matmul and the
-weight expansion. Cached under ``<cache_dir>/kernels/`` keyed by source, flags and machine, as the attention
+"""Builds (once, with the system C compiler) and loads ``csrc/int4_cpu.c``: the batched int4 / int8 matmuls and
+the int4 weight expansion. Cached under ``<cache_dir>/kernels/`` keyed by source, flags and machine, as the attention
 kernel. ``PAGEDLLM_CPU_KERNELS=0`` or a failed build: the torch paths are used (one warning)."""
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def _build() -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.int4_expand.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    lib.int4_gemm.restype = lib.int4_expand.restype = None
+    lib.int8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.int4_gemm.restype = lib.int4_expand.restype = lib.int8_gemm.restype = None
     return lib
 
 
@@ -84,3 +85,13 @@ def int4_expand(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size
     lib.int4_expand(packed.data_ptr(), scales_and_zeros.data_ptr(), k, group_size, n_pad, w.data_ptr(),
                     int(dtype == torch.bfloat16))
     return w
+
+
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` (bf16 / float32, contiguous) @ (q * scale[:, None]).T -> ``[M, N]``."""
+    lib = get_lib()
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=x.dtype)
+    lib.int8_gemm(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), q.shape[0], out.data_ptr(),
+                  int(x.dtype == torch.bfloat16))
+    return out

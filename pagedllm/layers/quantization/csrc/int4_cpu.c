@@ -153,3 +153,46 @@ void int4_expand(const uint8_t *packed, const void *sz, int64_t K, int64_t G, in
         }
     }
 }
+
+/* Per-row int8 weights (aten._weight_int8pack_mm's layout: q [N][K] int8, scale [N] in the activation dtype),
+ * same tiling: out[M][N] = x[M][K] @ (q * scale[:, None]).T; K % 32 == 0. */
+void int8_gemm(const void *x, int64_t M, int64_t K, const int8_t *q, const void *scale, int64_t N, void *out,
+               int is_bf16) {
+    float *xf = (float *)malloc(sizeof(float) * M * K);
+    for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, i, is_bf16);
+    const int64_t nb = (N + 63) / 64;
+#pragma omp parallel
+    {
+        float *acc = (float *)malloc(sizeof(float) * M * 64);
+        float tile[32][64] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t n0 = 64 * b;
+            const int64_t cnt = N - n0 < 64 ? N - n0 : 64;
+            memset(acc, 0, sizeof(float) * M * 64);
+            for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                for (int j = 0; j < 64; j++) {
+                    if (j < cnt) {
+                        const float s = load_act(scale, n0 + j, is_bf16);
+                        const int8_t *row = q + (n0 + j) * K + k0;
+                        for (int kk = 0; kk < 32; kk++) tile[kk][j] = (float)row[kk] * s;
+                    } else {
+                        for (int kk = 0; kk < 32; kk++) tile[kk][j] = 0.0f;
+                    }
+                }
+                tile_fma(tile, xf + k0, K, M, acc);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                if (is_bf16) {
+                    uint16_t *o = (uint16_t *)out + m * N + n0;
+                    for (int64_t j = 0; j < cnt; j++) o[j] = f32_to_bf16(acc[m * 64 + j]);
+                } else {
+                    float *o = (float *)out + m * N + n0;
+                    for (int64_t j = 0; j < cnt; j++) o[j] = acc[m * 64 + j];
+                }
+            }
+        }
+        free(acc);
+    }
+    free(xf);
+}
