@@ -352,6 +352,38 @@ def test_quantization_errors(tmp_path):
         == QuantConfig("int8")
 
 
+@torch.no_grad()
+def _dense_twin(quant, dense):
+    """``dense`` with every quantized module's weight replaced by what that module computes with."""
+    for name, mod in quant.quant_modules.items():
+        dense.get_submodule(name).weight.copy_(mod.dequantized_weight())
+    return dense
+
+
+def test_tiny_llama_gguf_requantized_types_greedy_equals_their_dequantized_weights(tmp_path, monkeypatch):
+    import test_loader
+
+    monkeypatch.setattr(test_loader, "_QTYPES", {
+        "embed_tokens": Q.Q8_0, "q_proj": Q.Q4_1, "k_proj": Q.Q4_1, "v_proj": Q.Q5_0, "o_proj": Q.Q5_1,
+        "gate_proj": Q.Q8_0, "up_proj": Q.Q8_0, "down_proj": Q.Q4_0,
+    })
+    cfg, hf = _tiny_hf(tie=True)
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(path, "llama", cfg, {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+    quant = _load(path, None)
+    kinds = {n.rsplit(".", 1)[-1]: m.kind for n, m in quant.quant_modules.items()}
+    assert kinds == {"embed_tokens": "int8", "qkv_proj": "int8", "o_proj": "int8", "gate_up_proj": "int8",
+                     "down_proj": "int4"}, kinds  # q/k Q4_1 next to v Q5_0: the fused layer goes int8
+    _assert_same_greedy(quant, _dense_twin(quant, _load(path, "none")), PROMPTS)
+
+
+def test_int8_weight_only_tiny_llama_greedy_equals_its_dequantized_weights(tmp_path):
+    cfg, hf = _tiny_hf(tie=True)
+    hf.save_pretrained(tmp_path / "dense")
+    quant = _load(str(tmp_path / "dense"), "int8")
+    _assert_same_greedy(quant, _dense_twin(quant, _load(str(tmp_path / "dense"), None)), PROMPTS)
+
+
 def test_int8_weight_only_tiny_llama_close_to_dense(tmp_path):
     cfg, hf = _tiny_hf(tie=True)
     hf.save_pretrained(tmp_path / "dense")
