@@ -141,8 +141,9 @@ def quantize_model(model: nn.Module, quant_config: QuantConfig) -> dict[str, nn.
             if isinstance(child, nn.Linear) and name in QUANTIZED_LINEAR_NAMES:
                 if name == "lm_head" and quant_config.method in ("gptq", "awq"):
                     continue
+                sizes = getattr(child, "output_sizes", None)
                 replaced[id(child)] = QuantLinear(child.in_features, child.out_features, child.bias is not None,
-                                                  child.weight.dtype, quant_config, getattr(child, "output_sizes", None))
+                                                  child.weight.dtype, quant_config, sizes)
             elif isinstance(child, nn.Embedding) and name == "embed_tokens" and quant_embedding:
                 replaced[id(child)] = QuantEmbedding(child.num_embeddings, child.embedding_dim, child.weight.dtype,
                                                      quant_config)

@@ -185,7 +185,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [T, K] @ (q * scale[:, None]).T -> [T, N]`` (``scale`` in x's dtype): aten's op below
-    ``INT8_GEMM_MIN_TOKENS`` rows, else the C tiled kernel (49152x576 at M=32: aten 44 ms, C 34 ms; M=128: 358 / 118)."""
+    ``INT8_GEMM_MIN_TOKENS`` rows, else the C tiled kernel (49152x576 at M=32: aten 44 ms, C 34 ms; M=128: 358 /
+    118 ms)."""
     from pagedllm.layers.quantization import cpu_kernels
 
     if (x.shape[0] >= INT8_GEMM_MIN_TOKENS and x.shape[1] % 32 == 0 and x.dtype in (torch.bfloat16, torch.float32)
