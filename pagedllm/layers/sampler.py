@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm.attention.cpu_kernels import argmax_rows
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 # top_p first looks for its cut among this many most likely tokens (a partial top-k, ~10x cheaper than a full sort
@@ -223,11 +224,11 @@ class Sampler(torch.nn.Module):
             logits = _apply_logits_processors(logits, md)
 
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         elif md.all_random:
             sampled = _sample_random(logits, md)
         else:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
             idx = md.random_row_indices
             sampled.index_copy_(0, idx, _sample_random(logits.index_select(0, idx), md))
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.packed_linear import lm_head_logits
+from pagedllm.attention.cpu_kernels import silu_and_mul
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import RMSNorm
@@ -105,8 +107,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = silu_and_mul(gate_up)  # one C pass on CPU (csrc/cpu_ops.c)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -257,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden_states, self.lm_head.weight).float()
+        return lm_head_logits(self, hidden_states).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

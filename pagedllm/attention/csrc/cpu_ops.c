@@ -1,0 +1,126 @@
+/* Fused element-wise CPU ops for the decoder layer, in plain C + OpenMP (one pass over memory instead of 4-8 torch
+ * ops, each with its own dispatch and OpenMP region).
+ *
+ * Numerics follow the torch ops they replace (see pagedllm/layers/layernorm.py and activation use in the models):
+ *  - add_rms_norm: residual' = round(x + residual) in the storage dtype (as a bf16 ``x + residual``), then
+ *    y = round(residual' / sqrt(mean(residual'^2) + eps) * weight) with the norm in float32 and one final rounding
+ *    (as ``F.rms_norm`` with a weight upcasts and rounds once). RMSNorm: Zhang & Sennrich 2019.
+ *  - silu_mul: y = round(round(silu(gate)) * up), silu in float32 (as ``F.silu(gate) * up`` in bf16).
+ * Rows are [T, H] contiguous.
+ */
+#include <stdint.h>
+#include <math.h>
+
+static inline float bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } x;
+    x.u = ((uint32_t)b) << 16;
+    return x.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    uint32_t u = x.u;
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_id(float f) { return f; }
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#define PAR_MIN_ELEMS 262144
+
+#define DEFINE_RMS(NAME, T, LOAD, STORE, ROUND)                                                               \
+void NAME(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t rows, int64_t H,  \
+          float eps) {                                                                                        \
+    _Pragma("omp parallel for schedule(static) if (rows * H >= PAR_MIN_ELEMS)")                               \
+    for (int64_t r = 0; r < rows; ++r) {                                                                      \
+        const T* xr = x + r * H;                                                                              \
+        T* orow = out + r * H;                                                                                \
+        float ss = 0.f;                                                                                       \
+        if (residual) {                                                                                       \
+            const T* rr = residual + r * H;                                                                   \
+            T* ro = residual_out + r * H;                                                                     \
+            for (int64_t i = 0; i < H; ++i) {                                                                 \
+                const float v = ROUND(LOAD(xr[i]) + LOAD(rr[i]));                                             \
+                ro[i] = STORE(v);                                                                             \
+                ss += v * v;                                                                                  \
+            }                                                                                                 \
+            xr = ro;                                                                                          \
+        } else {                                                                                              \
+            for (int64_t i = 0; i < H; ++i) { const float v = LOAD(xr[i]); ss += v * v; }                    \
+        }                                                                                                     \
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);                                                 \
+        for (int64_t i = 0; i < H; ++i) orow[i] = STORE(LOAD(xr[i]) * inv * LOAD(weight[i]));                 \
+    }                                                                                                         \
+}
+
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                          \
+void NAME(const T* gu, T* out, int64_t rows, int64_t I) {                                                     \
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")                               \
+    for (int64_t r = 0; r < rows; ++r) {                                                                      \
+        const T* g = gu + r * 2 * I;                                                                          \
+        const T* u = g + I;                                                                                   \
+        T* o = out + r * I;                                                                                   \
+        for (int64_t i = 0; i < I; ++i) {                                                                     \
+            const float gv = LOAD(g[i]);                                                                      \
+            const float s = ROUND(gv / (1.0f + expf(-gv)));                                                   \
+            o[i] = STORE(s * LOAD(u[i]));                                                                     \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+
+DEFINE_RMS(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, f32_id, f32_id, f32_id)
+
+/* argmax over each row of x [rows, cols] float32 -> out [rows] int64: the first index of the maximum, as
+ * torch.argmax; a row containing NaN returns the first NaN's index (torch treats NaN as the maximum). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+void argmax_rows_f32(const float* x, int64_t* out, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * cols;
+        int64_t best = 0;
+        float bv = xr[0];
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if (cols >= 16) {
+            __m512 mv = _mm512_loadu_ps(xr);
+            __m512i mi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            __m512i cur = mi;
+            const __m512i step = _mm512_set1_epi32(16);
+            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
+            for (i = 16; i + 16 <= cols && !nan; i += 16) {
+                cur = _mm512_add_epi32(cur, step);
+                const __m512 v = _mm512_loadu_ps(xr + i);
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);
+                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                mv = _mm512_mask_mov_ps(mv, gt, v);
+                mi = _mm512_mask_mov_epi32(mi, gt, cur);
+            }
+            if (nan) {
+                i = 0; /* rare: let the scalar loop below find the first NaN */
+            } else {
+                float vals[16];
+                int32_t idx[16];
+                _mm512_storeu_ps(vals, mv);
+                _mm512_storeu_si512((void*)idx, mi);
+                bv = vals[0];
+                best = idx[0];
+                for (int l = 1; l < 16; ++l)
+                    if (vals[l] > bv || (vals[l] == bv && idx[l] < best)) { bv = vals[l]; best = idx[l]; }
+            }
+        }
+#endif
+        if (i == 0) { best = 0; bv = xr[0]; i = 1; if (bv != bv) { out[r] = 0; continue; } }
+        for (; i < cols; ++i) {
+            const float v = xr[i];
+            if (v != v) { best = i; break; }
+            if (v > bv) { bv = v; best = i; }
+        }
+        out[r] = best;
+    }
+}
