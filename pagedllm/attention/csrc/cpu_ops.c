@@ -72,8 +72,49 @@ void NAME(const T* gu, T* out, int64_t rows, int64_t I) {                       
 
 DEFINE_RMS(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
+#if defined(__AVX512F__)
+#include "simd.h"
+/* Vectorized: silu(g) = g / (1 + exp(-g)) with exp16 (relative error < 2e-7, far below a bf16 ulp). */
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+static inline __m512 round16_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(store16_bf16_bits(v)), 16));
+}
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* g = gu + r * 2 * I;
+        const uint16_t* u = g + I;
+        uint16_t* o = out + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const __m512 s = round16_bf16(silu16(load16_bf16(g + i)));
+            _mm256_storeu_si256((__m256i*)(o + i), store16_bf16_bits(_mm512_mul_ps(s, load16_bf16(u + i))));
+        }
+        for (; i < I; ++i) {
+            const float gv = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * bf16_to_f32(u[i]));
+        }
+    }
+}
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gu + r * 2 * I;
+        const float* u = g + I;
+        float* o = out + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+        for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+#else
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, f32_id, f32_id, f32_id)
+#endif
 
 /* argmax over each row of x [rows, cols] float32 -> out [rows] int64: the first index of the maximum, as
  * torch.argmax; a row containing NaN returns the first NaN's index (torch treats NaN as the maximum). */

@@ -90,30 +90,7 @@ DEFINE_DECODE_SCALAR(paged_decode_f32_scalar, float, f32_id, f32_id)
 #if defined(__AVX512F__)
 /* AVX-512 path: 16 float32 lanes; head_dim a multiple of 16, at most 256. K/V rows are widened to float32 once per
  * token and reused by the G query heads of the group; softmax uses a vectorized exp (below). */
-#include <immintrin.h>
-
-static inline __m512 load16_bf16(const uint16_t* p) {
-    __m256i h = _mm256_loadu_si256((const __m256i*)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-
-/* exp(x) for x <= 0: 2^(x log2 e) split into 2^n * 2^f, f in [-1/2, 1/2]; 2^f by its degree-6 Taylor polynomial in
- * f ln 2 (relative error < 2e-7 on that interval), then _mm512_scalef_ps applies 2^n. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "simd.h"
 
 /* out[i] = sum of the 16 lanes of a[i], for i < 16: three shuffle+add rounds over all 16 vectors at once (45 ops
  * instead of 16 separate horizontal reductions). Inputs are read in a 4x4-transposed order so the result lands in
