@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_HDR = os.path.join(os.path.dirname(__file__), "csrc", "simd.h")
+_HDRS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("simd.h", "bf16.h")]
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("paged_decode.c", "cpu_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -34,7 +34,7 @@ def _build() -> Optional[ctypes.CDLL]:
 
     from pagedllm.model_files import cache_dir
 
-    src = b"".join(open(f, "rb").read() for f in _SRCS + [_HDR])
+    src = b"".join(open(f, "rb").read() for f in _SRCS + _HDRS)
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.node().encode()
                          + platform.processor().encode()).hexdigest()[:16]
     out_dir = os.path.join(str(cache_dir()), "kernels")

@@ -12,21 +12,7 @@
 #include <stdlib.h>
 #include <math.h>
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)b) << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    uint32_t u = x.u;
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline float f32_id(float f) { return f; }
+#include "bf16.h"
 
 #define DEFINE_DECODE_SCALAR(NAME, T, LOAD, STORE)                                                                  \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, int64_t max_blocks,  \
