@@ -101,3 +101,29 @@ def test_argmax_rows_matches_torch_including_ties_and_nan(cols):
     got = cpu_kernels.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 4, 32), (2, 1, 6)])
+def test_rope_and_cache_matches_torch_path(dtype, H, KVH, D):
+    from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(H * D)
+    T, NB, BS = 7, 6, 4
+    rope = RotaryEmbedding(D, 256, {"rope_type": "default", "rope_theta": 10000.0}, dtype=dtype)
+    positions = torch.tensor([0, 1, 5, 17, 100, 3, 255])
+    cos, sin = rope(positions)
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    slots = torch.randperm(NB * BS)[:T]
+    cache = torch.zeros(2, NB, BS, KVH, D, dtype=dtype)
+    # reference: the torch path of LlamaAttention
+    qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+    ref_cache = torch.zeros_like(cache)
+    ref_cache[0].view(-1, KVH, D).index_copy_(0, slots, qk[:, H:])
+    ref_cache[1].view(-1, KVH, D).index_copy_(0, slots, qkv[:, (H + KVH) * D:].view(T, KVH, D))
+    v_before = qkv[:, (H + KVH) * D:].clone()
+    assert cpu_kernels.rope_and_cache(qkv, cos, cache, slots, H, KVH, D)
+    tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), qk, **tol)
+    torch.testing.assert_close(cache, ref_cache, **tol)
+    assert torch.equal(qkv[:, (H + KVH) * D:], v_before)  # V is not rotated

@@ -1,8 +1,13 @@
-"""Builds (once, with the system C compiler) and loads the CPU paged-attention decode kernel.
+"""Builds (once, with the system C compiler) and loads pagedllm's CPU kernels, and wraps them for torch tensors.
 
-The C source is ``csrc/paged_decode.c``; the shared library is cached under ``<cache_dir>/kernels/`` keyed by the
-source hash, compiler flags and machine. Set ``PAGEDLLM_CPU_KERNELS=0`` to use the pure-torch path instead; if the
-build fails (no compiler), the torch path is used and one warning is logged.
+Kernels (C + OpenMP, AVX-512 where the CPU has it, scalar C otherwise):
+- ``paged_decode`` (``csrc/paged_decode.c``): decode attention straight from the paged KV cache;
+- ``add_rms_norm``, ``silu_and_mul``, ``rope_and_cache``, ``argmax_rows`` (``csrc/cpu_ops.c``): fused element-wise
+  passes that replace 2-8 torch ops each (per-op dispatch and OpenMP overhead dominate at decode batch sizes).
+
+The shared library is cached under ``<cache_dir>/kernels/`` keyed by the sources, compiler flags and machine. Set
+``PAGEDLLM_CPU_KERNELS=0`` to use the pure-torch paths instead; if the build fails (no compiler), the torch paths
+are used and one warning is logged. Every wrapper returns None/False when it can't run, and the caller falls back.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ def _build() -> Optional[ctypes.CDLL]:
     for name in ("add_rms_norm_bf16", "add_rms_norm_f32"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+        fn.restype = None
+    for name in ("rope_cache_bf16", "rope_cache_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+            ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = None
     lib.argmax_rows_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int64]
     lib.argmax_rows_f32.restype = None
@@ -177,3 +187,24 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     fn(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return out
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Rotates q and k of ``qkv [T, (H + 2 * KVH) * D]`` in place (NeoX rotate-half RoPE) and writes K and V into
+    ``kv_cache [2, num_blocks, block_size, KVH, D]`` at ``slot_mapping [T]``: one C pass instead of ~8 torch ops.
+
+    ``cos`` is the ``[T, 1, D]`` view ``RotaryEmbedding`` returns (its sine lies ``D`` elements after it in the
+    same ``[T, 2, D]`` gather). Same roundings as ``apply_rotary`` + ``index_copy_``. Returns False (doing nothing)
+    when the kernel can't run here; the caller then takes the torch path.
+    """
+    fn = _fused_fn(qkv, "rope_cache")
+    if (fn is None or qkv.dim() != 2 or head_dim > 512 or head_dim % 2 or cos.dtype != qkv.dtype
+            or cos.stride(2) != 1 or cos.shape[-1] != head_dim or kv_cache.dtype != qkv.dtype
+            or not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()):
+        return False
+    T = qkv.shape[0]
+    fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), cos.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+       slot_mapping.data_ptr(), T, num_heads, num_kv_heads, head_dim)
+    return True

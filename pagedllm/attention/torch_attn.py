@@ -185,7 +185,10 @@ class Attention(torch.nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_cached: bool = False,
     ) -> torch.Tensor:
+        """``kv_cached``: this step's K/V are already in ``kv_cache`` at ``meta.slot_mapping`` (a fused kernel wrote
+        them), so they are not written again."""
         T = q.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = q.view(T, H, D)
@@ -195,8 +198,9 @@ class Attention(torch.nn.Module):
         v_cache = kv_cache[1]
         flat_k = k_cache.view(-1, KVH, D)
         flat_v = v_cache.view(-1, KVH, D)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if not kv_cached:
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
         windowed = self.sliding_window is not None
         out = torch.empty_like(q)
         dec = meta.decode

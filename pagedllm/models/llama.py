@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.packed_linear import lm_head_logits
-from pagedllm.attention.cpu_kernels import silu_and_mul
+from pagedllm.attention.cpu_kernels import rope_and_cache, silu_and_mul
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import RMSNorm
@@ -88,6 +88,11 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
+        if self.q_norm is None and rope_and_cache(qkv, cos, kv_cache, meta.slot_mapping, self.num_heads,
+                                                  self.num_kv_heads, self.head_dim):
+            # RoPE applied in place and K/V already in the paged cache (one C pass)
+            q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size], qkv[:, qk_size:]
+            return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_cached=True))
         qk = qkv[:, :qk_size].view(T, -1, self.head_dim)  # [T, H + KVH, D]
         if self.q_norm is not None:
             H = self.num_heads

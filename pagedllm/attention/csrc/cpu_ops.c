@@ -150,3 +150,36 @@ void argmax_rows_f32(const float* x, int64_t* out, int64_t rows, int64_t cols) {
         out[r] = best;
     }
 }
+
+/* Rotary embedding (NeoX "rotate half" form, as HF's apply_rotary_pos_emb) on q and k of every token, in place, then
+ * K and V written into the paged cache at their slots.
+ *   qkv  [T, row_stride]: q heads [0, H), k heads [H, H + KVH), v heads after (each D wide), contiguous per row;
+ *   cs   [T, cs_stride]: cos at cs[t], sin at cs[t] + D (the rotary cache stores [cos, cos] and [-sin, sin]);
+ *   cache_k / cache_v [num_slots, KVH, D]; slots [T] int64.
+ * y = round(round(x * cos) + roll(x, D/2) * sin), the two roundings of torch.addcmul(x * cos, roll(x), sin). */
+#define DEFINE_ROPE_CACHE(NAME, T, LOAD, STORE, ROUND)                                                       \
+void NAME(T* qkv, int64_t row_stride, const T* cs, int64_t cs_stride, T* cache_k, T* cache_v,              \
+          const int64_t* slots, int64_t T_, int H, int KVH, int D) {                                          \
+    const int half = D / 2;                                                                                   \
+    for (int64_t t = 0; t < T_; ++t) {                                                                        \
+        T* row = qkv + t * row_stride;                                                                        \
+        const T* c = cs + t * cs_stride;                                                                      \
+        const T* s = c + D;                                                                                   \
+        float x[512];                                                                                         \
+        for (int h = 0; h < H + KVH; ++h) {                                                                   \
+            T* xp = row + (int64_t)h * D;                                                                     \
+            for (int i = 0; i < D; ++i) x[i] = LOAD(xp[i]);                                                   \
+            for (int i = 0; i < D; ++i) {                                                                     \
+                const float r = x[i < half ? i + half : i - half];                                            \
+                xp[i] = STORE(ROUND(x[i] * LOAD(c[i])) + r * LOAD(s[i]));                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+        const int64_t base = slots[t] * (int64_t)KVH * D;                                                     \
+        const T* kp = row + (int64_t)H * D;                                                                   \
+        const T* vp = kp + (int64_t)KVH * D;                                                                  \
+        for (int i = 0; i < KVH * D; ++i) { cache_k[base + i] = kp[i]; cache_v[base + i] = vp[i]; }           \
+    }                                                                                                         \
+}
+
+DEFINE_ROPE_CACHE(rope_cache_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_ROPE_CACHE(rope_cache_f32, float, f32_id, f32_id, f32_id)
