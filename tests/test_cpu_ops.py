@@ -89,10 +89,11 @@ def test_pack_linear_weights_replaces_linears_and_tied_head():
     torch.testing.assert_close(lm_head_logits(m, h), ref_logits, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
-def test_argmax_rows_matches_torch_including_ties_and_nan(cols):
+def test_argmax_rows_matches_torch_including_ties_and_nan(cols, dtype):
     torch.manual_seed(cols)
-    x = torch.randn(6, cols)
+    x = torch.randn(6, cols).to(dtype)
     x[1] = 0.0  # all tied: first index
     if cols > 3:
         x[2, cols - 1] = x[2, 1] = 100.0  # a tie between an early and the last column
@@ -100,7 +101,7 @@ def test_argmax_rows_matches_torch_including_ties_and_nan(cols):
         x[4, 0] = float("inf")
     got = cpu_kernels.argmax_rows(x)
     assert got.dtype == torch.int64
-    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(got, x.float().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -217,6 +217,9 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits ``[N, V]`` (float32; other dtypes are upcast). The input tensor is never modified."""
         md = metadata
+        if md.all_greedy and md.max_num_logprobs is None and not md.needs_processing:
+            # argmax is the same on the exact float32 widening: skip the [N, V] upcast copy
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs=None)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
 

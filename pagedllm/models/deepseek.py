@@ -320,8 +320,8 @@ class DeepseekForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return lm_head_logits(self, hidden_states).float()
+        """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts only when it needs float32)."""
+        return lm_head_logits(self, hidden_states)
 
     def set_absorb(self, absorb: Optional[bool]) -> None:
         """Forces absorbed (True) or expanded (False) MLA everywhere; None: absorbed for decode only."""

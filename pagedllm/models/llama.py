@@ -267,8 +267,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return lm_head_logits(self, hidden_states).float()
+        """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts only when it needs float32)."""
+        return lm_head_logits(self, hidden_states)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -101,55 +101,74 @@ DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, f32_id, f32_id, f32_id)
 #endif
 
-/* argmax over each row of x [rows, cols] float32 -> out [rows] int64: the first index of the maximum, as
- * torch.argmax; a row containing NaN returns the first NaN's index (torch treats NaN as the maximum). */
+/* argmax over each row of x [rows, cols] -> out [rows] int64: the first index of the maximum, as torch.argmax;
+ * a row containing NaN returns the first NaN's index (torch treats NaN as the maximum). bf16 rows are compared
+ * after the exact widening to float32, so both dtypes give torch's answer on the same values. */
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
+#define ARGMAX_LOADV_f32(p) _mm512_loadu_ps(p)
+#define ARGMAX_LOADV_bf16(p) load16_bf16(p)
 #endif
-void argmax_rows_f32(const float* x, int64_t* out, int64_t rows, int64_t cols) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = x + r * cols;
-        int64_t best = 0;
-        float bv = xr[0];
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        if (cols >= 16) {
-            __m512 mv = _mm512_loadu_ps(xr);
-            __m512i mi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-            __m512i cur = mi;
-            const __m512i step = _mm512_set1_epi32(16);
-            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
-            for (i = 16; i + 16 <= cols && !nan; i += 16) {
-                cur = _mm512_add_epi32(cur, step);
-                const __m512 v = _mm512_loadu_ps(xr + i);
-                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);
-                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                mv = _mm512_mask_mov_ps(mv, gt, v);
-                mi = _mm512_mask_mov_epi32(mi, gt, cur);
-            }
-            if (nan) {
-                i = 0; /* rare: let the scalar loop below find the first NaN */
-            } else {
-                float vals[16];
-                int32_t idx[16];
-                _mm512_storeu_ps(vals, mv);
-                _mm512_storeu_si512((void*)idx, mi);
-                bv = vals[0];
-                best = idx[0];
-                for (int l = 1; l < 16; ++l)
-                    if (vals[l] > bv || (vals[l] == bv && idx[l] < best)) { bv = vals[l]; best = idx[l]; }
-            }
-        }
-#endif
-        if (i == 0) { best = 0; bv = xr[0]; i = 1; if (bv != bv) { out[r] = 0; continue; } }
-        for (; i < cols; ++i) {
-            const float v = xr[i];
-            if (v != v) { best = i; break; }
-            if (v > bv) { bv = v; best = i; }
-        }
-        out[r] = best;
-    }
+#define DEFINE_ARGMAX(NAME, T, LOAD, SUFFIX)                                                                  \
+void NAME(const T* x, int64_t* out, int64_t rows, int64_t cols) {                                             \
+    for (int64_t r = 0; r < rows; ++r) {                                                                      \
+        const T* xr = x + r * cols;                                                                           \
+        int64_t best = 0, i = 0;                                                                              \
+        float bv = LOAD(xr[0]);                                                                               \
+        ARGMAX_VECTOR_##SUFFIX                                                                                \
+        if (i == 0) {                                                                                         \
+            if (bv != bv) { out[r] = 0; continue; }                                                           \
+            i = 1;                                                                                            \
+        }                                                                                                     \
+        for (; i < cols; ++i) {                                                                               \
+            const float v = LOAD(xr[i]);                                                                      \
+            if (v != v) { best = i; break; }                                                                  \
+            if (v > bv) { bv = v; best = i; }                                                                 \
+        }                                                                                                     \
+        out[r] = best;                                                                                        \
+    }                                                                                                         \
 }
+
+#if defined(__AVX512F__)
+/* 16 running maxima (strict >, so each lane keeps its first maximum) and their indices; lanes merged at the end
+ * preferring the lower index on ties. A NaN anywhere sends the row to the scalar loop from index 0. */
+#define ARGMAX_VECTOR_BODY(LOADV)                                                                             \
+        if (cols >= 16) {                                                                                     \
+            __m512 mv = LOADV(xr);                                                                            \
+            __m512i mi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);              \
+            __m512i cur = mi;                                                                                 \
+            const __m512i step = _mm512_set1_epi32(16);                                                       \
+            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);                                         \
+            for (i = 16; i + 16 <= cols && !nan; i += 16) {                                                   \
+                cur = _mm512_add_epi32(cur, step);                                                            \
+                const __m512 v = LOADV(xr + i);                                                               \
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);                                   \
+                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                 \
+                mv = _mm512_mask_mov_ps(mv, gt, v);                                                           \
+                mi = _mm512_mask_mov_epi32(mi, gt, cur);                                                      \
+            }                                                                                                 \
+            if (nan) {                                                                                        \
+                i = 0;                                                                                        \
+            } else {                                                                                          \
+                float vals[16];                                                                               \
+                int32_t idx[16];                                                                              \
+                _mm512_storeu_ps(vals, mv);                                                                   \
+                _mm512_storeu_si512((void*)idx, mi);                                                          \
+                bv = vals[0];                                                                                 \
+                best = idx[0];                                                                                \
+                for (int l = 1; l < 16; ++l)                                                                  \
+                    if (vals[l] > bv || (vals[l] == bv && idx[l] < best)) { bv = vals[l]; best = idx[l]; }    \
+            }                                                                                                 \
+        }
+#define ARGMAX_VECTOR_f32 ARGMAX_VECTOR_BODY(ARGMAX_LOADV_f32)
+#define ARGMAX_VECTOR_bf16 ARGMAX_VECTOR_BODY(ARGMAX_LOADV_bf16)
+#else
+#define ARGMAX_VECTOR_f32
+#define ARGMAX_VECTOR_bf16
+#endif
+
+DEFINE_ARGMAX(argmax_rows_f32, float, f32_id, f32)
+DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, bf16_to_f32, bf16)
 
 /* Rotary embedding (NeoX "rotate half" form, as HF's apply_rotary_pos_emb) on q and k of every token, in place, then
  * K and V written into the paged cache at their slots.
