@@ -29,9 +29,13 @@ static inline __m512 exp16(__m512 x) {
 
 /* Round-to-nearest-even float32 -> bf16 of 16 lanes (same rounding as the scalar f32_to_bf16; no NaN handling). */
 static inline __m256i store16_bf16_bits(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v); /* one instruction, round to nearest even */
+#else
     __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
 }
 #endif
