@@ -13,6 +13,7 @@ tensor to this rank's part while loading, so a rank holds only its shard.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,19 +29,42 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def tp_kv_heads(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
-    """-> (KV heads per rank, ranks sharing each KV head). With fewer KV heads than ranks each KV head is
-    replicated on ``tp_size // num_kv_heads`` ranks (e.g. 1 KV head, tp 2: both ranks hold head 0).
+@dataclass(frozen=True)
+class HeadSplit:
+    q_head_start: int
+    num_heads: int
+    kv_head_start: int
+    num_kv_heads: int
+
+
+def tp_head_split(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadSplit:
+    """This rank's query and KV heads. Heads move in GQA groups (a KV head with its ``num_heads / num_kv_heads``
+    query heads), so each rank's attention is ordinary GQA over its own heads.
+
+    - ``num_kv_heads >= tp``: KV heads split as evenly as possible; when they don't divide, the later ranks take one
+      more. SmolLM2-135M (9 heads, 3 KV heads) at tp 2: rank 0 = KV head 0 + q heads 0-2, rank 1 = KV heads 1-2 +
+      q heads 3-8.
+    - ``num_kv_heads < tp``: each KV head is replicated on ``tp / num_kv_heads`` ranks, which split its query heads
+      (4 heads, 1 KV head, tp 2: both ranks hold KV head 0; rank 0 q heads 0-1, rank 1 q heads 2-3).
 
     Raises:
-        ValueError: if neither divides the other.
+        ValueError: when the heads can't be split that way, with the numbers.
     """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads "
+                         f"({num_kv_heads}).")
+    group = num_heads // num_kv_heads
     if num_kv_heads >= tp_size:
-        return divide(num_kv_heads, tp_size, "num_key_value_heads"), 1
-    if tp_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size ({tp_size}) must be divisible by num_key_value_heads "
-                         f"({num_kv_heads}) when it is larger.")
-    return 1, tp_size // num_kv_heads
+        kv0, kv1 = tp_rank * num_kv_heads // tp_size, (tp_rank + 1) * num_kv_heads // tp_size
+        return HeadSplit(kv0 * group, (kv1 - kv0) * group, kv0, kv1 - kv0)
+    replicas = tp_size // num_kv_heads
+    if tp_size % num_kv_heads or group % replicas:
+        raise ValueError(f"tensor_parallel_size {tp_size} can't split {num_heads} attention heads with "
+                         f"{num_kv_heads} KV heads: with fewer KV heads than ranks, tensor_parallel_size must be a "
+                         f"multiple of num_key_value_heads and divide each KV head's {group} query heads.")
+    kv = tp_rank // replicas
+    per = group // replicas
+    return HeadSplit(kv * group + (tp_rank % replicas) * per, per, kv, 1)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -83,30 +107,34 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  dtype: torch.dtype):
-        tp, rank = get_tp_size(), get_tp_rank()
-        heads = divide(num_heads, tp, "num_attention_heads")
-        kv_heads, kv_replicas = tp_kv_heads(num_kv_heads, tp)
-        q, kv = heads * head_dim, kv_heads * head_dim
+        split = tp_head_split(num_heads, num_kv_heads, get_tp_size(), get_tp_rank())
+        q, kv = split.num_heads * head_dim, split.num_kv_heads * head_dim
         super().__init__(hidden_size, q + 2 * kv, bias, dtype)
-        self.num_heads, self.num_kv_heads = heads, kv_heads
+        self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
+        self.q_head_start = split.q_head_start
         self.output_sizes = (q, kv, kv)
-        kv_start = (rank // kv_replicas) * kv
-        self._shard_src = [(rank * q, q), (kv_start, kv), (kv_start, kv)]
+        kv_start = split.kv_head_start * head_dim
+        self._shard_src = [(split.q_head_start * head_dim, q), (kv_start, kv), (kv_start, kv)]
 
 
 class RowParallelLinear(nn.Linear):
-    """Input columns split over the TP ranks; the partial outputs are summed (all-reduce), then the bias added."""
+    """Input columns split over the TP ranks; the partial outputs are summed (all-reduce), then the bias added.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        tp = get_tp_size()
-        local_in = divide(in_features, tp, "input size of a row-parallel layer")
+    ``input_split``: this rank's (first column, columns) when the split is uneven (o_proj after uneven heads)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 input_split: Optional[tuple[int, int]] = None):
+        if input_split is None:
+            local_in = divide(in_features, get_tp_size(), "input size of a row-parallel layer")
+            input_split = (get_tp_rank() * local_in, local_in)
+        col_start, local_in = input_split
         super().__init__(local_in, out_features, bias=bias, device="meta", dtype=dtype)
         self.weight = nn.Parameter(torch.empty(out_features, local_in, dtype=dtype), requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
         for p in self.parameters(recurse=False):
             p.weight_loader = self.weight_loader
-        self._col_start = get_tp_rank() * local_in
+        self._col_start = col_start
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int]) -> None:
         if param.dim() == 2:

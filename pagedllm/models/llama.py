@@ -66,7 +66,8 @@ class LlamaAttention(nn.Module):
             from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 
             qkv = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
-            o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, dtype)
+            o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, dtype,
+                                       input_split=(qkv.q_head_start * head_dim, qkv.num_heads * head_dim))
             num_heads, num_kv_heads = qkv.num_heads, qkv.num_kv_heads
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -33,13 +33,13 @@ def check_parallel_supported(config: EngineConfig) -> None:
     arch = config.model.architecture
     if arch not in PARALLEL_ARCHITECTURES:
         raise ValueError(f"tensor/pipeline parallelism supports {sorted(PARALLEL_ARCHITECTURES)}, not {arch}.")
-    from pagedllm.layers.linear import divide, tp_kv_heads
+    from pagedllm.layers.linear import divide, tp_head_split
 
     cfg = config.model.hf_config
     tp = pc.tensor_parallel_size
     heads = cfg.num_attention_heads
-    divide(heads, tp, "num_attention_heads")
-    tp_kv_heads(getattr(cfg, "num_key_value_heads", None) or heads, tp)
+    for rank in range(tp):
+        tp_head_split(heads, getattr(cfg, "num_key_value_heads", None) or heads, tp, rank)
     divide(cfg.intermediate_size, tp, "intermediate_size")
     ps.pp_layer_range(cfg.num_hidden_layers, 0, pc.pipeline_parallel_size)
 
