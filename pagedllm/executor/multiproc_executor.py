@@ -163,12 +163,14 @@ class MultiprocExecutor:
             if not ready:
                 raise self._died(f"rank {rank} did not answer within {timeout} s")
             if conn not in ready:
-                self._check_workers()
+                self._check_workers(ready)
 
-    def _check_workers(self) -> None:
+    def _check_workers(self, ready_sentinels=()) -> None:
+        """Raises the EngineDeadError if a worker has exited (``ready_sentinels``: sentinels known to have fired;
+        a sentinel fires a moment before ``is_alive`` turns false)."""
         for rank, p in enumerate(self.procs):
-            if not p.is_alive():
-                p.join(0.1)
+            if p.sentinel in ready_sentinels or not p.is_alive():
+                p.join(1.0)
                 raise self._died(f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}")
 
     def _died(self, what: str):
@@ -182,11 +184,11 @@ class MultiprocExecutor:
         return self._dead
 
     def _watch(self) -> None:
-        wait([p.sentinel for p in self.procs])
+        ready = wait([p.sentinel for p in self.procs])
         if self._stopping:
             return
         try:
-            self._check_workers()
+            self._check_workers(ready)
         except BaseException as err:  # noqa: BLE001 - the EngineDeadError from _died
             for cb in self._death_callbacks:
                 try:

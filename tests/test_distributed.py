@@ -1,0 +1,180 @@
+"""Tensor and pipeline parallelism (gloo, worker processes on this machine).
+
+- greedy output (and prompt / sample logprobs) of TP=2, PP=2 and TP=2 x PP=2 equals TP=1, token for token, on tiny
+  random Qwen2 models whose heads don't split evenly (9 heads / 3 KV heads at TP=2: GQA groups 1 + 2) or whose KV
+  head is replicated (4 heads / 1 KV head), and on the real SmolLM2-135M (slow) through ``LLM`` and ``pagedllm
+  serve``;
+- each rank holds about 1/N of the weights;
+- a killed worker takes the engine down with an ``EngineDeadError`` naming the rank within seconds (also while idle,
+  and then the server's ``/health`` answers 503);
+- heads that can't be split raise a clear ValueError before any process starts.
+
+float32 throughout: a row-parallel all-reduce sums partial products in another order than one matmul, which is
+exact enough for greedy equality in float32 but not in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from pagedllm.engine.async_llm import EngineDeadError
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.layers.linear import HeadSplit, tp_head_split
+from pagedllm.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 389  # odd: the vocabulary-parallel tables have a padding row at TP=2
+TOKEN_PROMPTS = [[1, 5, 9, 200, 17], [1, 33, 2, 44, 100, 101, 102, 7, 8, 250, 251, 3, 4, 90, 91, 92, 93, 94], [3] * 21]
+TINY_KW = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20,
+               max_num_batched_tokens=16)  # 16: the 18- and 21-token prompts are prefilled in chunks
+
+
+def _save_tiny_qwen2(path, heads: int, kv_heads: int, tied: bool) -> str:
+    torch.manual_seed(heads * 10 + kv_heads)
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=16 * heads, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        tie_word_embeddings=tied, eos_token_id=VOCAB - 1, bos_token_id=1, rope_theta=1e6, use_sliding_window=False,
+        initializer_range=0.2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_tp")
+    return {
+        "uneven": _save_tiny_qwen2(root / "uneven", heads=9, kv_heads=3, tied=False),
+        "replicated_kv": _save_tiny_qwen2(root / "replicated_kv", heads=4, kv_heads=1, tied=True),
+    }
+
+
+SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+
+def _run(llm: LLM, prompts) -> list[tuple]:
+    outs = llm.generate(prompts, SP, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+
+
+def _assert_same(got, want, what: str) -> None:
+    for i, ((ids, lps, plps), (ids0, lps0, plps0)) in enumerate(zip(got, want)):
+        assert ids == ids0, f"{what}: prompt {i}: {ids} != {ids0}"
+        for step, (a, b) in enumerate(zip(lps, lps0)):
+            assert a.keys() == b.keys(), f"{what}: prompt {i} step {step} top-logprob ids differ"
+            for t in a:
+                assert abs(a[t].logprob - b[t].logprob) < 1e-3, f"{what}: prompt {i} step {step} token {t}"
+        assert [None if p is None else sorted(p) for p in plps] == [None if p is None else sorted(p) for p in plps0]
+
+
+def test_head_split_is_by_gqa_groups():
+    # SmolLM2-135M at TP=2: 9 heads in 3 GQA groups of 3; rank 0 takes 1 group, rank 1 two.
+    assert [tp_head_split(9, 3, 2, r) for r in range(2)] == [HeadSplit(0, 3, 0, 1), HeadSplit(3, 6, 1, 2)]
+    # fewer KV heads than ranks: the KV head is replicated, its query heads split
+    assert [(s.q_head_start, s.num_heads, s.kv_head_start, s.num_kv_heads)
+            for s in (tp_head_split(4, 1, 2, r) for r in range(2))] == [(0, 2, 0, 1), (2, 2, 0, 1)]
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 can't split 6 attention heads"):
+        tp_head_split(6, 3, 4, 0)
+
+
+@pytest.mark.timeout(120)
+def test_unsplittable_heads_fail_before_starting_workers(tiny_models):
+    with pytest.raises(ValueError, match="can't split"):
+        LLM(tiny_models["uneven"], tensor_parallel_size=4, **TINY_KW)  # 3 KV heads over 4 ranks
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind,tp,pp", [("uneven", 2, 1), ("uneven", 1, 2), ("uneven", 2, 2),
+                                        ("replicated_kv", 2, 1)])
+def test_tiny_parallel_equals_tp1(tiny_models, kind, tp, pp):
+    path = tiny_models[kind]
+    want = _run(LLM(path, **TINY_KW), TOKEN_PROMPTS)
+    llm = LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp, **TINY_KW)
+    try:
+        _assert_same(_run(llm, TOKEN_PROMPTS), want, f"{kind} tp={tp} pp={pp}")
+        # a second batch on the same engine (blocks freed and reused, requests added mid-flight)
+        _assert_same(_run(llm, TOKEN_PROMPTS[::-1]), want[::-1], f"{kind} tp={tp} pp={pp}, second run")
+    finally:
+        llm.shutdown()
+
+
+def _full_weight_bytes(path: str) -> int:
+    from pagedllm.worker.worker import resident_weight_bytes
+
+    return resident_weight_bytes(LLM(path, **TINY_KW).llm_engine.engine_core.runner.model)
+
+
+@pytest.mark.timeout(120)
+def test_tiny_weight_bytes_per_rank(tiny_models):
+    """TP=2: each rank about half the weights (norms and the replicated KV head are whole on both)."""
+    path = tiny_models["replicated_kv"]
+    full = _full_weight_bytes(path)
+    llm = LLM(path, tensor_parallel_size=2, **TINY_KW)
+    try:
+        per_rank = [w.weight_bytes for w in llm.llm_engine.engine_core.executor.workers]
+    finally:
+        llm.shutdown()
+    for b in per_rank:
+        assert 0.45 * full <= b <= 0.6 * full, (per_rank, full)
+
+
+def _wait_dead(proc, timeout: float = 10.0) -> None:
+    proc.join(timeout)
+    assert not proc.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_takes_engine_down(tiny_models):
+    llm = LLM(tiny_models["uneven"], tensor_parallel_size=2, **TINY_KW)
+    executor = llm.llm_engine.engine_core.executor
+    reported = threading.Event()
+    errors = []
+    executor.on_death(lambda err: (errors.append(err), reported.set()))
+    try:
+        _run(llm, TOKEN_PROMPTS[:1])
+        victim = executor.procs[1]
+        t0 = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        assert reported.wait(5.0), "the idle engine did not notice the dead worker within 5 s"
+        assert "rank 1" in str(errors[0]) and "died" in str(errors[0])
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            llm.generate(TOKEN_PROMPTS, SP, use_tqdm=False)
+        assert time.monotonic() - t0 < 5.0
+        # the surviving rank was stopped, not left hanging in a collective
+        _wait_dead(executor.procs[0])
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_generation(tiny_models):
+    llm = LLM(tiny_models["uneven"], tensor_parallel_size=2, **TINY_KW)
+    executor = llm.llm_engine.engine_core.executor
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    killed_at = []
+
+    def kill_soon():
+        time.sleep(0.3)
+        killed_at.append(time.monotonic())
+        os.kill(executor.procs[0].pid, signal.SIGKILL)
+
+    try:
+        threading.Thread(target=kill_soon, daemon=True).start()
+        with pytest.raises(EngineDeadError, match="rank 0"):
+            for _ in range(50):  # keep stepping until the kill lands
+                llm.generate(TOKEN_PROMPTS * 4, long, use_tqdm=False)
+        assert time.monotonic() - killed_at[0] < 5.0
+    finally:
+        llm.shutdown()
