@@ -178,3 +178,87 @@ def test_worker_killed_mid_generation(tiny_models):
         assert time.monotonic() - killed_at[0] < 5.0
     finally:
         llm.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------- real SmolLM2
+REAL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Q: What is 17 times 3?\nA:",
+]
+REAL_KW = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+REAL_SP = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def smollm_tp1():
+    """-> (greedy token ids per prompt, their texts, resident weight bytes) of the single-process engine."""
+    from pagedllm.worker.worker import resident_weight_bytes
+
+    llm = LLM(**REAL_KW)
+    outs = llm.generate(REAL_PROMPTS, REAL_SP, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs],
+            resident_weight_bytes(llm.llm_engine.engine_core.runner.model))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_smollm2_parallel_equals_tp1(smollm_tp1, tp, pp):
+    want, _, full_bytes = smollm_tp1
+    llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, **REAL_KW)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(REAL_PROMPTS, REAL_SP, use_tqdm=False)]
+        per_rank = [w.weight_bytes for w in llm.llm_engine.engine_core.executor.workers]
+    finally:
+        llm.shutdown()
+    assert got == want, f"tp={tp} pp={pp}"
+    if tp == 2:  # 1/2 each; attention is split 1:2 by GQA groups (9 heads, 3 KV heads), the rest evenly
+        assert all(0.4 * full_bytes <= b <= 0.6 * full_bytes for b in per_rank), (per_rank, full_bytes)
+    else:  # 15 layers each, and both ends need the (tied) 49152 x 576 embedding: ~0.6 each
+        assert all(0.5 * full_bytes <= b <= 0.65 * full_bytes for b in per_rank), (per_rank, full_bytes)
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(server_pid).children(recursive=True)
+            if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_server_tp2_equals_tp1_and_health_reports_dead_worker(smollm_tp1, tmp_path):
+    import httpx
+    import openai
+
+    from conftest import start_server, stop_server
+
+    _, want_texts, _ = smollm_tp1
+    server = start_server(str(tmp_path / "serve_tp2.log"), "--tensor-parallel-size", "2")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        # one request at a time and all at once (a batch of 4 through the workers)
+        for prompt, text in zip(REAL_PROMPTS, want_texts):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+            assert r.choices[0].text == text, prompt
+        r = client.completions.create(model=model, prompt=REAL_PROMPTS, max_tokens=24, temperature=0)
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want_texts
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        pids = _worker_pids(server.proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while True:
+            r = httpx.get(server.url + "/health", timeout=5)
+            if r.status_code == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 503, r.text
+        assert "rank" in r.text and "died" in r.text, r.text
+        with pytest.raises(openai.APIStatusError):
+            client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+    finally:
+        stop_server(server)

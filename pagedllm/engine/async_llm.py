@@ -172,7 +172,7 @@ class _ThreadBackend:
         self._on_dead = on_dead
         self.thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self.thread.start()
-        executor = engine.engine_core.executor
+        executor = getattr(engine.engine_core, "executor", None)
         if executor is not None:  # a worker process that dies while the engine is idle is reported at once
             executor.on_death(on_dead)
 
@@ -213,8 +213,9 @@ class _ThreadBackend:
             self._cond.notify()
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
-            if not self.thread.is_alive():
-                self.engine.engine_core.shutdown()  # worker processes of a parallel engine
+            executor = getattr(self.engine.engine_core, "executor", None)
+            if executor is not None and not self.thread.is_alive():
+                executor.shutdown()  # the worker processes of a parallel engine
 
 
 def _engine_process_main(config, requests, replies) -> None:
