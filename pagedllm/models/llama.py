@@ -279,6 +279,10 @@ class LlamaForCausalLM(nn.Module):
                 for p_name, _ in mod.named_parameters(recurse=False):
                     self._shard_sizes[f"{mod_name}.{p_name}"] = tuple(sizes)
 
+    def skips_weight(self, name: str) -> Optional[bool]:
+        """True for a checkpoint tensor another pipeline stage holds (the loader doesn't read it)."""
+        return bool(self._other_stage_prefixes) and name.startswith(self._other_stage_prefixes)
+
     def kv_cache_spec(self) -> list[AttentionSpec]:
         """Each layer's KV cache (K and V of ``num_kv_heads`` heads, its sliding window), in layer order."""
         return [
