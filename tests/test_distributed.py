@@ -261,3 +261,55 @@ def test_server_tp2_equals_tp1_and_health_reports_dead_worker(smollm_tp1, tmp_pa
             client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
     finally:
         stop_server(server)
+
+
+# ---------------------------------------------------------------------------------------------------- external launch
+_EXTERNAL_SCRIPT = """
+import json, os, sys
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
+kw = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="external_launcher", **kw)
+outs = llm.generate({prompts!r}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+rank = os.environ.get("RANK", kw.get("node_rank"))
+with open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w") as f:
+    json.dump([o.outputs[0].token_ids for o in outs], f)
+llm.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("launcher", ["torchrun", "init_method"])
+def test_external_launcher_ranks_equal_tp1(tiny_models, tmp_path, launcher):
+    """Each rank runs the whole engine (vLLM's external_launcher): started by torchrun, or one process per
+    "node" with --distributed-init-method / --nnodes / --node-rank; every rank prints the TP=1 tokens."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    path = tiny_models["uneven"]
+    want = [o.outputs[0].token_ids for o in LLM(path, **TINY_KW).generate(
+        TOKEN_PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)]
+    script = tmp_path / "rank.py"
+    script.write_text(_EXTERNAL_SCRIPT.format(prompts=TOKEN_PROMPTS))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    port = free_port()
+    if launcher == "torchrun":
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                 "127.0.0.1", "--master-port", str(port), str(script), path, json.dumps(TINY_KW), str(tmp_path)]]
+    else:
+        cmds = [[sys.executable, str(script), path,
+                 json.dumps(dict(TINY_KW, distributed_init_method=f"tcp://127.0.0.1:{port}", nnodes=2,
+                                 node_rank=k)), str(tmp_path)] for k in range(2)]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    try:
+        logs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == want, f"rank {rank}"

@@ -12,6 +12,7 @@ monitor thread reports a death that happens while the engine is idle. The surviv
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -103,6 +104,9 @@ class MultiprocExecutor:
             self.procs.append(p)
             self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _kill, self.procs)
+        # Stop the workers before multiprocessing's exit handler terminates them (which would read as a death).
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
         try:
             self.workers = [self._recv(r, WORKER_START_TIMEOUT_S, starting=True) for r in range(self.world_size)]
         except BaseException:
