@@ -272,7 +272,7 @@ kw = json.loads(sys.argv[2])
 llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="external_launcher", **kw)
 outs = llm.generate({prompts!r}, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
 rank = os.environ.get("RANK", kw.get("node_rank"))
-with open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w") as f:
+with open(os.path.join(sys.argv[3], f"rank{{rank}}.json"), "w") as f:
     json.dump([o.outputs[0].token_ids for o in outs], f)
 llm.shutdown()
 """
