@@ -313,3 +313,10 @@ def test_external_launcher_ranks_equal_tp1(tiny_models, tmp_path, launcher):
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == want, f"rank {rank}"
+
+
+@pytest.mark.timeout(120)
+def test_worker_startup_error_is_reported(tiny_models):
+    """A setting only a worker can check (its KV cache share) fails LLM() with the worker's message."""
+    with pytest.raises(ValueError, match="rank 0 failed to start: ValueError: KV cache too small"):
+        LLM(tiny_models["uneven"], tensor_parallel_size=2, **dict(TINY_KW, kv_cache_memory_bytes=64 << 10))

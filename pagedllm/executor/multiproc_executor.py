@@ -18,6 +18,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 import traceback
 import weakref
 from multiprocessing.connection import wait
@@ -110,7 +111,8 @@ class MultiprocExecutor:
         try:
             self.workers = [self._recv(r, WORKER_START_TIMEOUT_S, starting=True) for r in range(self.world_size)]
         except BaseException:
-            self.shutdown()
+            self._stopping = True  # the others may wait in a collective for the failed one: no graceful stop
+            _kill(self.procs)
             raise
         self.num_blocks = self.workers[0].num_blocks
         windows = {w.group_windows for w in self.workers}
@@ -160,8 +162,9 @@ class MultiprocExecutor:
                     raise self._died(f"rank {rank} closed its pipe")
                 if kind in ("ready", "ok"):
                     return payload
-                if starting:
-                    raise RuntimeError(f"tensor/pipeline-parallel worker rank {rank} failed to start: {payload}")
+                if starting:  # a bad setting found by the worker (e.g. KV cache too small) stays a ValueError
+                    exc = ValueError if payload.startswith("ValueError:") else RuntimeError
+                    raise exc(f"tensor/pipeline-parallel worker rank {rank} failed to start: {payload}")
                 raise self._died(f"worker {payload}")
             ready = wait([conn] + [p.sentinel for p in self.procs], timeout)
             if not ready:
@@ -175,7 +178,15 @@ class MultiprocExecutor:
         for rank, p in enumerate(self.procs):
             if p.sentinel in ready_sentinels or not p.is_alive():
                 p.join(1.0)
-                raise self._died(f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}")
+                last = ""
+                try:  # its last words, if it said why ("failed" at start-up, "error" from a call)
+                    if self.conns[rank].poll():
+                        kind, payload = self.conns[rank].recv()
+                        if kind in ("failed", "error"):
+                            last = f": {payload}"
+                except (EOFError, OSError, ValueError):
+                    pass
+                raise self._died(f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}{last}")
 
     def _died(self, what: str):
         from pagedllm.engine.async_llm import EngineDeadError
@@ -210,8 +221,9 @@ class MultiprocExecutor:
                 conn.send_bytes(data)
             except OSError:
                 pass
+        deadline = time.monotonic() + timeout
         for p in self.procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         _kill(self.procs)
         for conn in self.conns:
             conn.close()
