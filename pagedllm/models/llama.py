@@ -62,7 +62,8 @@ class LlamaAttention(nn.Module):
         qk_norm_eps: Optional[float] = None,
     ) -> None:
         super().__init__()
-        if get_tp_size() > 1:  # this rank's heads only (pagedllm.layers.linear)
+        tensor_parallel = get_tp_size() > 1
+        if tensor_parallel:  # this rank's heads only (pagedllm.layers.linear)
             from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 
             qkv = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
@@ -74,7 +75,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        if get_tp_size() > 1:
+        if tensor_parallel:
             self.qkv_proj, self.o_proj = qkv, o_proj
         else:
             self.qkv_proj = _linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
@@ -279,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
                 for p_name, _ in mod.named_parameters(recurse=False):
                     self._shard_sizes[f"{mod_name}.{p_name}"] = tuple(sizes)
 
-    def skips_weight(self, name: str) -> Optional[bool]:
+    def skips_weight(self, name: str) -> bool:
         """True for a checkpoint tensor another pipeline stage holds (the loader doesn't read it)."""
         return bool(self._other_stage_prefixes) and name.startswith(self._other_stage_prefixes)
 
