@@ -9,7 +9,8 @@
   and then the server's ``/health`` answers 503);
 - heads that can't be split raise a clear ValueError before any process starts.
 
-float32 throughout: a row-parallel all-reduce sums partial products in another order than one matmul, which is
+The multi-process tests take seconds each (process start-up): all but one TP run and one killed worker are marked
+``slow``. float32 throughout: a row-parallel all-reduce sums partial products in another order than one matmul, which is
 exact enough for greedy equality in float32 but not in bf16.
 """
 
@@ -96,8 +97,10 @@ def test_unsplittable_heads_fail_before_starting_workers(tiny_models):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind,tp,pp", [("uneven", 2, 1), ("uneven", 1, 2), ("uneven", 2, 2),
-                                        ("replicated_kv", 2, 1)])
+@pytest.mark.parametrize("kind,tp,pp", [("uneven", 2, 1),
+                                        pytest.param("uneven", 1, 2, marks=pytest.mark.slow),
+                                        pytest.param("uneven", 2, 2, marks=pytest.mark.slow),  # 4 processes
+                                        pytest.param("replicated_kv", 2, 1, marks=pytest.mark.slow)])
 def test_tiny_parallel_equals_tp1(tiny_models, kind, tp, pp):
     path = tiny_models[kind]
     want = _run(LLM(path, **TINY_KW), TOKEN_PROMPTS)
@@ -116,6 +119,7 @@ def _full_weight_bytes(path: str) -> int:
     return resident_weight_bytes(LLM(path, **TINY_KW).llm_engine.engine_core.runner.model)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tiny_weight_bytes_per_rank(tiny_models):
     """TP=2: each rank about half the weights (norms and the replicated KV head are whole on both)."""
@@ -158,6 +162,7 @@ def test_killed_worker_takes_engine_down(tiny_models):
         llm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_worker_killed_mid_generation(tiny_models):
     llm = LLM(tiny_models["uneven"], tensor_parallel_size=2, **TINY_KW)
@@ -278,6 +283,7 @@ llm.shutdown()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("launcher", ["torchrun", "init_method"])
 def test_external_launcher_ranks_equal_tp1(tiny_models, tmp_path, launcher):
@@ -315,6 +321,7 @@ def test_external_launcher_ranks_equal_tp1(tiny_models, tmp_path, launcher):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == want, f"rank {rank}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_worker_startup_error_is_reported(tiny_models):
     """A setting only a worker can check (its KV cache share) fails LLM() with the worker's message."""

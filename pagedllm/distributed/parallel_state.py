@@ -37,6 +37,7 @@ class ParallelGroups:
     pp_group: Optional[dist.ProcessGroup]
     tp_ranks: tuple[int, ...]  # global ranks of this rank's TP group
     pp_ranks: tuple[int, ...]  # global ranks of this rank's PP group (stage order)
+    cpu_group: Optional[dist.ProcessGroup] = None  # gloo world group for pickled objects (None: the world is gloo)
 
     @property
     def tp_rank(self) -> int:
@@ -95,7 +96,9 @@ def init_distributed(rank: int, world_size: int, tp_size: int, pp_size: int, ini
         g = dist.new_group(ranks, timeout=_NO_TIMEOUT) if pp_size > 1 else None
         if rank in ranks:
             pp_group, my_pp = g, tuple(ranks)
-    _GROUPS = ParallelGroups(rank, world_size, tp_size, pp_size, tp_group, pp_group, my_tp, my_pp)
+    # Pickled objects (sampler results) travel on CPU tensors: with NCCL they need a gloo group of their own.
+    cpu_group = dist.new_group(backend="gloo", timeout=_NO_TIMEOUT) if backend != "gloo" else None
+    _GROUPS = ParallelGroups(rank, world_size, tp_size, pp_size, tp_group, pp_group, my_tp, my_pp, cpu_group)
     return _GROUPS
 
 
@@ -167,7 +170,7 @@ def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.dev
 def broadcast_object(obj, src: int):
     """``obj`` from global rank ``src`` to every rank (pickled, over the world group)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_GROUPS.cpu_group if _GROUPS else None)
     return box[0]
 
 
