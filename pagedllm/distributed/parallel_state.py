@@ -155,7 +155,8 @@ def pp_send(tensors: list[torch.Tensor]) -> None:
         dist.send(t.contiguous(), dst=dst, group=g.pp_group)
 
 
-def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype,
+            device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Receives tensors of ``shapes`` from the same TP rank of the previous stage."""
     g = _GROUPS
     src = g.pp_ranks[g.pp_rank - 1]
