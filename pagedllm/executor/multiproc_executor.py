@@ -67,6 +67,14 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
     worker.shutdown()
 
 
+def _watch(executor_ref, sentinels) -> None:
+    """Monitor thread: waits for any worker to exit and has the executor report it."""
+    ready = wait(sentinels)
+    executor = executor_ref()
+    if executor is not None:
+        executor._report_death(ready)
+
+
 def _kill(procs) -> None:
     for p in procs:
         if p.is_alive():
@@ -121,7 +129,10 @@ class MultiprocExecutor:
             raise ValueError(f"pipeline stages disagree on KV cache groups {windows}: this model's layer types "
                              f"can't be split into these stages.")
         self.group_windows = self.workers[0].group_windows
-        self._monitor = threading.Thread(target=self._watch, name="pagedllm-worker-monitor", daemon=True)
+        # The monitor holds only a weak reference: an executor dropped without shutdown() is still collected (and
+        # its finalizer stops the workers).
+        self._monitor = threading.Thread(target=_watch, args=(weakref.ref(self), [p.sentinel for p in self.procs]),
+                                         name="pagedllm-worker-monitor", daemon=True)
         self._monitor.start()
 
     # ------------------------------------------------------------------ calls
@@ -198,12 +209,11 @@ class MultiprocExecutor:
             _kill(self.procs)
         return self._dead
 
-    def _watch(self) -> None:
-        ready = wait([p.sentinel for p in self.procs])
+    def _report_death(self, ready_sentinels) -> None:
         if self._stopping:
             return
         try:
-            self._check_workers(ready)
+            self._check_workers(ready_sentinels)
         except BaseException as err:  # noqa: BLE001 - the EngineDeadError from _died
             for cb in self._death_callbacks:
                 try:
