@@ -90,6 +90,21 @@ def test_head_split_is_by_gqa_groups():
         tp_head_split(6, 3, 4, 0)
 
 
+def test_tp1_keeps_the_single_process_path(tiny_models):
+    """tp = pp = 1: no executor, no process group, plain nn.Linear / nn.Embedding modules (no collective per step)."""
+    from torch import nn
+
+    from pagedllm.distributed import parallel_state
+    from pagedllm.models.llama import PPMissingLayer
+
+    llm = LLM(tiny_models["uneven"], **TINY_KW)
+    core = llm.llm_engine.engine_core
+    assert core.executor is None and parallel_state.get_groups() is None
+    mods = list(core.runner.model.modules())
+    assert not any(isinstance(m, PPMissingLayer) for m in mods)
+    assert {type(m) for m in mods if isinstance(m, (nn.Linear, nn.Embedding))} == {nn.Linear, nn.Embedding}
+
+
 @pytest.mark.timeout(120)
 def test_unsplittable_heads_fail_before_starting_workers(tiny_models):
     with pytest.raises(ValueError, match="can't split"):
