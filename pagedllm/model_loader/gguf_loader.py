@@ -18,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -282,9 +282,11 @@ def unpermute_qk(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def iterate_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
+                         skip: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields ``(hf_name, tensor)`` for every tensor of a Llama/Mistral/Qwen2/Qwen3/Gemma3 GGUF, dequantized to
     ``dtype`` (Gemma's norm weights back in HF's zero-centred form: GGUF weight - 1, computed in float32).
+    ``skip(hf_name)``: true for tensors not to read at all (another pipeline stage's).
 
     Raises:
         ValueError: for a tensor name with no HF counterpart (e.g. ``rope_freqs.weight``, llama3 rope scaling
@@ -303,6 +305,8 @@ def iterate_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Itera
             hf_name = gguf_to_hf_name(info.name, arch)
             if hf_name is None:
                 raise ValueError(f"{path}: GGUF tensor {info.name!r} ({arch}) is not supported")
+            if skip is not None and skip(hf_name):
+                continue
             if norm_plus_one and info.name.endswith("norm.weight"):
                 tensor = (_to_torch(raw[info.offset : info.offset + info.nbytes], info, torch.float32) - 1).to(dtype)
             else:

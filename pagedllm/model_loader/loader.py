@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -13,11 +13,13 @@ from pagedllm.model_loader.safetensors_loader import iterate_safetensors_weights
 from pagedllm.models.registry import get_model_class
 
 
-def iterate_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` pairs from a GGUF file (dequantized to ``dtype``) or an HF folder (checkpoint dtype)."""
+def iterate_weights(path: str, dtype: torch.dtype,
+                    skip: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` pairs from a GGUF file (dequantized to ``dtype``) or an HF folder (checkpoint dtype),
+    without the ones ``skip(hf_name)`` is true for (not even read)."""
     if is_gguf_file(path):
-        return iterate_gguf_weights(path, dtype)
-    return iterate_safetensors_weights(path)
+        return iterate_gguf_weights(path, dtype, skip)
+    return iterate_safetensors_weights(path, skip)
 
 
 def load_model(model_config: Any) -> nn.Module:
@@ -28,7 +30,8 @@ def load_model(model_config: Any) -> nn.Module:
     """
     cls = get_model_class(model_config.architecture)
     model = cls(model_config.hf_config, model_config.dtype, max_model_len=model_config.max_model_len)
-    model.load_weights(iterate_weights(model_config.model, model_config.dtype))
+    # A pipeline stage skips the other stages' tensors (LlamaForCausalLM.skips_weight).
+    model.load_weights(iterate_weights(model_config.model, model_config.dtype, getattr(model, "skips_weight", None)))
     model.eval()
     model.requires_grad_(False)
     return model
