@@ -59,6 +59,20 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "mp": the engine starts one worker process per rank; "external_launcher": this process is one rank of a
+    # torchrun (or --nnodes/--node-rank) launch and runs the whole engine itself (see pagedllm.executor).
+    distributed_executor_backend: str = "mp"
+    distributed_init_method: Optional[str] = None  # e.g. tcp://10.0.0.1:29500 (default: a free local port)
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1 or self.distributed_executor_backend == "external_launcher"
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,10 @@ class EngineArgs:
     chat_template: Optional[str] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    distributed_init_method: Optional[str] = None
+    nnodes: int = 1
+    node_rank: int = 0
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
@@ -149,6 +167,15 @@ class EngineArgs:
                      "kv_cache_memory_bytes", "num_gpu_blocks_override", "max_logprobs",
                      "tensor_parallel_size", "pipeline_parallel_size"):
             pos(name)
+        pos("nnodes", allow_none=False)
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}.")
+        if self.distributed_executor_backend not in ("mp", "external_launcher"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'external_launcher', "
+                             f"got {self.distributed_executor_backend!r}.")
+        if self.nnodes > 1 and self.distributed_executor_backend != "external_launcher":
+            raise ValueError("nnodes > 1 needs distributed_executor_backend='external_launcher' (torchrun or one "
+                             "process per node with --distributed-init-method).")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}.")
 
@@ -230,5 +257,9 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                distributed_init_method=self.distributed_init_method,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
             ),
         )

@@ -106,5 +106,5 @@ def prefill_logits(model, tokens: list[int], chunk: int, keep_last: int = 0, blo
         hidden = model(torch.tensor(tokens[s:e]), pos, kv, meta)
         if keep_last:
             hidden = hidden[max(0, n - keep_last - s):]
-        out.append(model.compute_logits(hidden))
+        out.append(model.compute_logits(hidden).float())
     return torch.cat(out)

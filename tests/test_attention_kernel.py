@@ -34,22 +34,23 @@ def reference(q, k_cache, v_cache, block_tables, seq_lens, rows, scale, window):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_kernel_matches_reference(dtype, tol, window):
+@pytest.mark.parametrize("D", [32, 64, 128, 40])  # 64/128: specialised vector paths; 40: scalar fallback
+@pytest.mark.parametrize("n", [5, 1])  # 5 requests: one task per request; 1: one task per KV head
+def test_kernel_matches_reference(dtype, tol, window, D, n):
     if cpu_kernels.get_lib() is None:
         pytest.fail("the CPU kernel failed to build (is gcc installed?)")
     torch.manual_seed(0)
-    H, KVH, D, BS, NB = 6, 2, 32, 4, 48
+    H, KVH, BS, NB = 6, 2, 4, 64
     k_cache = torch.randn(NB, BS, KVH, D).to(dtype)
     v_cache = torch.randn(NB, BS, KVH, D).to(dtype)
-    seq_lens = torch.tensor([1, 5, 13, 16, 29], dtype=torch.int64)
-    n = len(seq_lens)
-    max_blocks = 8
+    seq_lens = torch.tensor([1, 5, 13, 16, 41][-n:], dtype=torch.int64)  # 41: three 16-token tiles, the last partial
+    max_blocks = 11
     perm = torch.randperm(NB - 1)[: n * max_blocks] + 1
     block_tables = perm.view(n, max_blocks).contiguous()
     T = 9
     qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
     q = qkv[:, : H * D].view(T, H, D)  # a row-strided view, as the model passes it
-    rows = torch.tensor([0, 2, 3, 6, 8], dtype=torch.int64)
+    rows = torch.tensor([0, 2, 3, 6, 8][-n:], dtype=torch.int64)
     out = torch.zeros(T, H, D, dtype=dtype)
     scale = 1 / math.sqrt(D)
     assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale, window)

@@ -64,7 +64,7 @@ def _prefill_logits(model, tokens: list[int], block_size: int = 16) -> torch.Ten
     slots = torch.arange(block_size, block_size + n, dtype=torch.int64)
     meta = build_attention_metadata([n], [n], block_table, slots, block_size, sliding_window=model.sliding_window)
     hidden = model(torch.tensor(tokens), torch.arange(n), kv, meta)
-    return model.compute_logits(hidden)
+    return model.compute_logits(hidden).float()
 
 
 def _randomize_norms(hf) -> None:

@@ -83,7 +83,7 @@ class PagedRunner:
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), self.kv_caches, meta
         )
-        return list(self.model.compute_logits(hidden).split(query_lens))
+        return list(self.model.compute_logits(hidden).float().split(query_lens))
 
 
 # ---------------------------------------------------------------- tiny models

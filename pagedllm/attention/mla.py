@@ -73,11 +73,12 @@ class MLAAttention(torch.nn.Module):
         k = torch.cat([kv[..., :dn], latents[:, None, r:].expand(S, H, p)], dim=-1).transpose(0, 1)  # [H, S, dn+p]
         v = kv[..., dn:].transpose(0, 1)  # [H, S, dv]
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, Tq, dn + p]
+        q, k, v = q[None], k[None], v[None]  # 4-D: torch's CPU flash kernel (3-D runs the unfused math path)
         if mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return o.transpose(0, 1)  # [Tq, H, dv]
+        return o[0].transpose(0, 1)  # [Tq, H, dv]
 
     # ------------------------------------------------------------------ paged forward
     def forward(

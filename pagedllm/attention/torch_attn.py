@@ -185,7 +185,10 @@ class Attention(torch.nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_cached: bool = False,
     ) -> torch.Tensor:
+        """``kv_cached``: this step's K/V are already in ``kv_cache`` at ``meta.slot_mapping`` (a fused kernel wrote
+        them), so they are not written again."""
         T = q.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = q.view(T, H, D)
@@ -195,8 +198,9 @@ class Attention(torch.nn.Module):
         v_cache = kv_cache[1]
         flat_k = k_cache.view(-1, KVH, D)
         flat_v = v_cache.view(-1, KVH, D)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if not kv_cached:
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
         windowed = self.sliding_window is not None
         out = torch.empty_like(q)
         dec = meta.decode
@@ -226,9 +230,12 @@ class Attention(torch.nn.Module):
                 kp = k_cache.index_select(0, p.block_ids).view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
                 vp = v_cache.index_select(0, p.block_ids).view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
             mask = p.mask_windowed if windowed else p.mask
+            # 4-D inputs: torch's CPU flash-attention kernel only takes [B, H, L, D] (3-D falls back to the
+            # unfused math path, ~7x slower on a 500-token prefill).
+            qp, kp, vp = qp[None], kp[None], vp[None]
             if mask is None:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
             else:
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
-            out[p.q_start : p.q_end] = op.transpose(0, 1)
+            out[p.q_start : p.q_end] = op[0].transpose(0, 1)
         return out.view(T, H * D)

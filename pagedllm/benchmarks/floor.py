@@ -63,6 +63,17 @@ def measure_floor(shapes: dict, batch_sizes: list[int], dtype: str = "bfloat16",
     layers = [(w((nh + 2 * nkv) * hd, h), w(h, nh * hd), w(2 * i_, h), w(h, i_)) for _ in range(L)]
     head = w(V, h)
     weight_bytes = sum(t.numel() * t.element_size() for ly in layers for t in ly) + head.numel() * head.element_size()
+    # The floor is the fastest bare matmul of these weights: with oneDNN-packed bf16 weights when this CPU has them
+    # (as the engine runs them, see pagedllm/layers/packed_linear.py), else plain F.linear.
+    from pagedllm.layers.packed_linear import PackedLinear, packing_supported
+
+    packed = packing_supported(dt, torch.device("cpu"))
+    if packed:
+        layers = [tuple(PackedLinear(t, None) for t in ly) for ly in layers]
+        head = PackedLinear(head, None)
+        mm = lambda x, lin: lin(x)  # noqa: E731
+    else:
+        mm = F.linear
     out = []
     with torch.inference_mode():
         for B in batch_sizes:
@@ -72,11 +83,11 @@ def measure_floor(shapes: dict, batch_sizes: list[int], dtype: str = "bfloat16",
 
             def step():
                 for wqkv, wo, wgu, wd in layers:
-                    F.linear(x, wqkv)
-                    F.linear(xa, wo)
-                    F.linear(x, wgu)
-                    F.linear(xi, wd)
-                F.linear(x, head)
+                    mm(x, wqkv)
+                    mm(xa, wo)
+                    mm(x, wgu)
+                    mm(xi, wd)
+                mm(x, head)
 
             for _ in range(warmup):
                 step()
@@ -89,7 +100,8 @@ def measure_floor(shapes: dict, batch_sizes: list[int], dtype: str = "bfloat16",
             out.append({"batch_size": B, "dtype": dtype, "step_ms_median": med * 1e3, "step_ms_min": min(times) * 1e3,
                         "tokens_per_second": B / med, "weight_bytes": weight_bytes,
                         "effective_gb_per_s": weight_bytes / med / 1e9,
-                        "torch_threads": torch.get_num_threads()})
+                        "torch_threads": torch.get_num_threads(),
+                        "matmul": "onednn-packed" if packed else "F.linear"})
     return out
 
 

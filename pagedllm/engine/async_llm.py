@@ -172,6 +172,9 @@ class _ThreadBackend:
         self._on_dead = on_dead
         self.thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self.thread.start()
+        executor = getattr(engine.engine_core, "executor", None)
+        if executor is not None:  # a worker process that dies while the engine is idle is reported at once
+            executor.on_death(on_dead)
 
     def submit(self, item: tuple) -> None:
         with self._cond:
@@ -210,6 +213,9 @@ class _ThreadBackend:
             self._cond.notify()
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
+            executor = getattr(self.engine.engine_core, "executor", None)
+            if executor is not None and not self.thread.is_alive():
+                executor.shutdown()  # the worker processes of a parallel engine
 
 
 def _engine_process_main(config, requests, replies) -> None:
@@ -220,7 +226,16 @@ def _engine_process_main(config, requests, replies) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         replies.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    replies.send(("ready", engine.engine_core.num_blocks))
+    send_lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            replies.send(msg)
+
+    send(("ready", engine.engine_core.num_blocks))
+    executor = engine.engine_core.executor
+    if executor is not None:  # a dead worker (also while idle) takes the engine down
+        executor.on_death(lambda err: send(("dead", str(err))))
 
     def get_inbox(block: bool, timeout: float) -> Optional[list]:
         items = []
@@ -236,13 +251,13 @@ def _engine_process_main(config, requests, replies) -> None:
 
     def run() -> None:
         try:
-            _engine_loop(engine, get_inbox, replies.send)
+            _engine_loop(engine, get_inbox, send)
         except EOFError:
             return  # the parent is gone
         except BaseException as e:  # noqa: BLE001
             logger.exception("engine process crashed")
             try:
-                replies.send(("dead", f"{type(e).__name__}: {e}"))
+                send(("dead", f"{type(e).__name__}: {e}"))
             except OSError:
                 pass
 
@@ -266,7 +281,8 @@ class _ProcessBackend:
         req_r, self._req_w = ctx.Pipe(duplex=False)
         self._rep_r, rep_w = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_engine_process_main, args=(config, req_r, rep_w), name="pagedllm-engine",
-                                daemon=True)
+                                # a daemon can't start the worker processes of a tensor/pipeline-parallel engine
+                                daemon=not config.parallel.is_parallel)
         self.proc.start()
         req_r.close()
         rep_w.close()

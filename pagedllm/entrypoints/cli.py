@@ -55,6 +55,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, help="Chat template: a Jinja file path or the template itself.")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks.")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline-parallel stages.")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],
+                   help="mp: start one worker process per rank here; external_launcher: this process is one rank "
+                        "of a torchrun (or --nnodes/--node-rank) launch.")
+    g.add_argument("--distributed-init-method", default=None,
+                   help="torch.distributed init URL, e.g. tcp://HOST:PORT (default: a free local port, or env:// "
+                        "under torchrun).")
+    g.add_argument("--nnodes", type=int, default=1, help="Machines in an external_launcher launch.")
+    g.add_argument("--node-rank", type=int, default=0, help="This machine's rank in an external_launcher launch.")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

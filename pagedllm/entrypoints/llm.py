@@ -46,6 +46,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stops the worker processes of a tensor/pipeline-parallel engine (they also stop when this process
+        exits)."""
+        self.llm_engine.engine_core.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 

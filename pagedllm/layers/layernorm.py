@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.cpu_kernels import add_rms_norm
+
 
 class RMSNorm(nn.Module):
     """forward(x [T, hidden], residual [T, hidden] | None) -> normed, or (normed, new_residual) with a residual."""
@@ -32,6 +34,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        fused = add_rms_norm(x, residual, self.weight, self.eps)  # one C pass on CPU (csrc/cpu_ops.c)
+        if fused is not None:
+            return fused[0] if residual is None else fused
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm.attention.cpu_kernels import argmax_rows
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 # top_p first looks for its cut among this many most likely tokens (a partial top-k, ~10x cheaper than a full sort
@@ -216,6 +217,9 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits ``[N, V]`` (float32; other dtypes are upcast). The input tensor is never modified."""
         md = metadata
+        if md.all_greedy and md.max_num_logprobs is None and not md.needs_processing:
+            # argmax is the same on the exact float32 widening: skip the [N, V] upcast copy
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs=None)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
 
@@ -223,11 +227,11 @@ class Sampler(torch.nn.Module):
             logits = _apply_logits_processors(logits, md)
 
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         elif md.all_random:
             sampled = _sample_random(logits, md)
         else:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
             idx = md.random_row_indices
             sampled.index_copy_(0, idx, _sample_random(logits.index_select(0, idx), md))
 

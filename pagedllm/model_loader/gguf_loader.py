@@ -18,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -291,11 +291,13 @@ def unpermute_qk(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def iterate_gguf_weights(
-    path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+    path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+    skip: Optional[Callable[[str], bool]] = None,
 ) -> Iterator[tuple[str, Any]]:
     """Yields ``(hf_name, tensor)`` for every tensor of a Llama/Mistral/Qwen2/Qwen3/Gemma3 GGUF, dequantized to
     ``dtype`` (Gemma's norm weights back in HF's zero-centred form: GGUF weight - 1, computed in float32).
     With ``keep_quantized``, quantized matrices come as ``GGUFWeight`` (raw blocks, Q/K rows already unpermuted).
+    ``skip(hf_name)``: true for tensors not to read at all (another pipeline stage's).
 
     Raises:
         ValueError: for a tensor name with no HF counterpart (e.g. ``rope_freqs.weight``, llama3 rope scaling
@@ -314,6 +316,8 @@ def iterate_gguf_weights(
             hf_name = gguf_to_hf_name(info.name, arch)
             if hf_name is None:
                 raise ValueError(f"{path}: GGUF tensor {info.name!r} ({arch}) is not supported")
+            if skip is not None and skip(hf_name):
+                continue
             if keep_quantized and len(info.shape) == 2 and info.ggml_type not in UNQUANTIZED_TYPES:
                 data = torch.from_numpy(raw[info.offset : info.offset + info.nbytes]).view(info.shape[0], -1)
                 tensor = GGUFWeight(info.ggml_type, info.shape, data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -13,12 +13,14 @@ from pagedllm.model_loader.safetensors_loader import iterate_safetensors_weights
 from pagedllm.models.registry import get_model_class
 
 
-def iterate_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+def iterate_weights(path: str, dtype: torch.dtype, keep_quantized: bool = False,
+                    skip: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, Any]]:
     """``(hf_name, tensor)`` pairs from a GGUF file (dequantized to ``dtype``, or quantized ones as ``GGUFWeight``
-    with ``keep_quantized``) or an HF folder (checkpoint dtype)."""
+    with ``keep_quantized``) or an HF folder (checkpoint dtype), without the ones ``skip(hf_name)`` is true for (not
+    even read)."""
     if is_gguf_file(path):
-        return iterate_gguf_weights(path, dtype, keep_quantized)
-    return iterate_safetensors_weights(path)
+        return iterate_gguf_weights(path, dtype, keep_quantized, skip)
+    return iterate_safetensors_weights(path, skip)
 
 
 def load_model(model_config: Any) -> nn.Module:
@@ -32,7 +34,9 @@ def load_model(model_config: Any) -> nn.Module:
     kwargs = {"quant_config": qc} if qc is not None else {}
     model = cls(model_config.hf_config, model_config.dtype, max_model_len=model_config.max_model_len, **kwargs)
     keep_quantized = qc is not None and qc.method == "gguf"
-    model.load_weights(iterate_weights(model_config.model, model_config.dtype, keep_quantized))
+    # A pipeline stage skips the other stages' tensors (LlamaForCausalLM.skips_weight).
+    model.load_weights(iterate_weights(model_config.model, model_config.dtype, keep_quantized,
+                                       getattr(model, "skips_weight", None)))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -29,15 +29,18 @@ def weight_files(folder: str) -> list[str]:
     return files
 
 
-def iterate_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(name, tensor)`` (checkpoint dtype) for every tensor of every weight file in ``folder``."""
+def iterate_safetensors_weights(folder: str, skip: Optional[Callable[[str], bool]] = None,
+                                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(name, tensor)`` (checkpoint dtype) for every tensor of every weight file in ``folder``;
+    ``skip(name)``: true for tensors not to read at all (another pipeline stage's)."""
     from safetensors import safe_open
 
     for path in weight_files(folder):
         if path.endswith(".safetensors"):
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if skip is None or not skip(name):
+                        yield name, f.get_tensor(name)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
             yield from state.items()

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.packed_linear import lm_head_logits
 from pagedllm.attention.mla import MLAAttention
 from pagedllm.attention.torch_attn import AttentionMetadata
 from pagedllm.kv_cache_spec import MLASpec
@@ -319,8 +320,8 @@ class DeepseekForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden_states, self.lm_head.weight).float()
+        """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts only when it needs float32)."""
+        return lm_head_logits(self, hidden_states)
 
     def set_absorb(self, absorb: Optional[bool]) -> None:
         """Forces absorbed (True) or expanded (False) MLA everywhere; None: absorbed for decode only."""

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.packed_linear import lm_head_logits
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import GemmaRMSNorm
@@ -198,7 +199,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        logits = F.linear(hidden_states, self.lm_head.weight).float()
+        logits = lm_head_logits(self, hidden_states).float()
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

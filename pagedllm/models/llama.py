@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.packed_linear import lm_head_logits
+from pagedllm.attention.cpu_kernels import rope_and_cache, silu_and_mul
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
+from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_layer_range
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
@@ -62,14 +65,25 @@ class LlamaAttention(nn.Module):
         qk_norm_eps: Optional[float] = None,
     ) -> None:
         super().__init__()
+        tensor_parallel = get_tp_size() > 1
+        if tensor_parallel:  # this rank's heads only (pagedllm.layers.linear)
+            from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
+
+            qkv = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
+            o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, o_bias, dtype,
+                                       input_split=(qkv.q_head_start * head_dim, qkv.num_heads * head_dim))
+            num_heads, num_kv_heads = qkv.num_heads, qkv.num_kv_heads
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self.qkv_proj = _linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
-        self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = _linear(self.q_size, hidden_size, o_bias, dtype)
+        if tensor_parallel:
+            self.qkv_proj, self.o_proj = qkv, o_proj
+        else:
+            self.qkv_proj = _linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+            self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
+            self.o_proj = _linear(self.q_size, hidden_size, o_bias, dtype)
         self.attn = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=sliding_window)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:  # Qwen3: RMSNorm over head_dim of each q / k head
@@ -87,6 +101,11 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
+        if self.q_norm is None and rope_and_cache(qkv, cos, kv_cache, meta.slot_mapping, self.num_heads,
+                                                  self.num_kv_heads, self.head_dim):
+            # RoPE applied in place and K/V already in the paged cache (one C pass)
+            q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size], qkv[:, qk_size:]
+            return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_cached=True))
         qk = qkv[:, :qk_size].view(T, -1, self.head_dim)  # [T, H + KVH, D]
         if self.q_norm is not None:
             H = self.num_heads
@@ -101,13 +120,24 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        if get_tp_size() > 1:
+            from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+            self.gate_up_proj = MergedColumnParallelLinear(hidden_size, (intermediate_size, intermediate_size), bias,
+                                                           dtype)
+            self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
+            return
         self.gate_up_proj = _linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.gate_up_proj.output_sizes = (intermediate_size, intermediate_size)
         self.down_proj = _linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = silu_and_mul(gate_up)  # one C pass on CPU (csrc/cpu_ops.c)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -165,13 +195,27 @@ class LlamaModel(nn.Module):
         self.sliding_window: Optional[int] = int(window) if any(windowed) else None
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        # Pipeline parallelism: this stage's layers [start_layer, end_layer); the others are empty placeholders
+        # (checkpoint tensors for them are skipped). The embedding lives on the first stage (and the last, when the
+        # LM head is tied to it), the final norm on the last.
+        pp_rank, pp_size = get_pp_rank(), get_pp_size()
+        self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
+        is_first, is_last = pp_rank == 0, pp_rank == pp_size - 1
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
 
-        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, hidden, dtype=dtype)
+        if get_tp_size() > 1 and (is_first or (is_last and tied)):
+            from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden, dtype)
+        elif is_first or (is_last and tied):
+            self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, hidden, dtype=dtype)
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.rotary_emb = RotaryEmbedding(
             head_dim, cfg.max_position_embeddings, rope_parameters(cfg), max_positions=max_positions, dtype=dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+            PPMissingLayer() if not self.start_layer <= i < self.end_layer else LlamaDecoderLayer(
                 LlamaAttention(
                     hidden,
                     num_heads,
@@ -190,7 +234,7 @@ class LlamaModel(nn.Module):
             )
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype) if is_last else PPMissingLayer()
 
     def forward(
         self,
@@ -232,8 +276,17 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # the same Parameter; compute_logits reads .weight
+        elif get_pp_rank() != get_pp_size() - 1:
+            self.lm_head = PPMissingLayer()
+        elif get_tp_size() > 1:  # this rank's vocabulary rows; the runner gathers the logits
+            from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead
+
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         else:
             self.lm_head = _linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        # Checkpoint names of modules another pipeline stage holds (skipped by load_weights).
+        self._other_stage_prefixes: tuple[str, ...] = tuple(
+            f"{name}." for name, mod in self.named_modules() if isinstance(mod, PPMissingLayer))
         self.sliding_window: Optional[int] = self.model.sliding_window
         self.quant_modules = quantize_model(self, quant_config) if quant_config is not None else {}
         # fused parameter name -> row counts of its shards, for load_weights
@@ -244,11 +297,15 @@ class LlamaForCausalLM(nn.Module):
                 for p_name, _ in mod.named_parameters(recurse=False):
                     self._shard_sizes[f"{mod_name}.{p_name}"] = tuple(sizes)
 
+    def skips_weight(self, name: str) -> bool:
+        """True for a checkpoint tensor another pipeline stage holds (the loader doesn't read it)."""
+        return bool(self._other_stage_prefixes) and name.startswith(self._other_stage_prefixes)
+
     def kv_cache_spec(self) -> list[AttentionSpec]:
         """Each layer's KV cache (K and V of ``num_kv_heads`` heads, its sliding window), in layer order."""
         return [
-            AttentionSpec(self.model.num_kv_heads, self.model.head_dim, layer.self_attn.attn.sliding_window)
-            for layer in self.model.layers
+            AttentionSpec(layer.self_attn.num_kv_heads, self.model.head_dim, layer.self_attn.attn.sliding_window)
+            for layer in self.model.layers[self.model.start_layer:self.model.end_layer]
         ]
 
     def forward(
@@ -262,10 +319,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
+        """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts only when it needs float32)."""
         if self.quant_modules and not isinstance(self.lm_head, (nn.Linear, nn.Embedding)):
-            return self.lm_head.logits(hidden_states).float()
-        return F.linear(hidden_states, self.lm_head.weight).float()
+            return self.lm_head.logits(hidden_states)
+        return lm_head_logits(self, hidden_states)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -285,6 +342,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store a copy
+            if self._other_stage_prefixes and name.startswith(self._other_stage_prefixes):
+                continue  # another pipeline stage's
             target, shard = name, None
             for fused, shard_name, shard_id in STACKED_PARAMS_MAPPING:
                 if f".{shard_name}." in name:
@@ -295,6 +354,11 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:  # tensor-parallel: the parameter narrows the tensor to this rank's shard
+                loader(param, tensor, shard)
+                loaded.add((target, shard or 0))
+                continue
             dest = param.data
             if shard is not None:
                 sizes = self._shard_sizes[target]
@@ -310,6 +374,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}"
                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+
+
+class PPMissingLayer(nn.Identity):
+    """Placeholder for a module held by another pipeline stage (no parameters)."""
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -18,6 +18,7 @@ import torch
 from pagedllm.attention.torch_attn import build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedllm.layers.packed_linear import pack_linear_weights, packing_supported
 from pagedllm.kv_cache_spec import KVCacheLayout, KVCacheSpec, as_kv_cache_specs, plan_kv_cache_layout
 from pagedllm.layers.sampler import (
     LogprobsTensors,
@@ -105,6 +106,8 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = torch.device(device)
+        if packing_supported(config.model.dtype, self.device):
+            pack_linear_weights(model)  # oneDNN layout once, instead of a reorder inside every matmul
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         self.vocab_size = config.model.vocab_size

@@ -12,23 +12,9 @@
 #include <stdlib.h>
 #include <math.h>
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)b) << 16;
-    return x.f;
-}
+#include "bf16.h"
 
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    uint32_t u = x.u;
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline float f32_id(float f) { return f; }
-
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                                  \
+#define DEFINE_DECODE_SCALAR(NAME, T, LOAD, STORE)                                                                  \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, int64_t max_blocks,  \
           const int64_t* seq_lens, const int64_t* rows, T* out, int n, int H, int KVH, int D, int BS,        \
           float scale, int window, int64_t q_stride) {                                                        \
@@ -84,7 +70,193 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     }                                                                                                         \
 }
 
-DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE(paged_decode_f32, float, f32_id, f32_id)
+DEFINE_DECODE_SCALAR(paged_decode_bf16_scalar, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE_SCALAR(paged_decode_f32_scalar, float, f32_id, f32_id)
+
+#if defined(__AVX512F__)
+/* AVX-512 path: 16 float32 lanes; head_dim a multiple of 16, at most 256. K/V rows are widened to float32 once per
+ * token and reused by the G query heads of the group; softmax uses a vectorized exp (below). */
+#include "simd.h"
+
+/* out[i] = sum of the 16 lanes of a[i], for i < 16: three shuffle+add rounds over all 16 vectors at once (45 ops
+ * instead of 16 separate horizontal reductions). Inputs are read in a 4x4-transposed order so the result lands in
+ * natural order. */
+static inline __m512 reduce16(const __m512* a) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; ++i) {
+        const int p0 = 2 * i, p1 = 2 * i + 1;
+        const __m512 v0 = a[(p0 % 4) * 4 + p0 / 4], v1 = a[(p1 % 4) * 4 + p1 / 4];
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
+    }
+    for (int j = 0; j < 4; ++j)
+        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    const __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* One task: request `r`, KV heads [h0, h1). Tokens are visited 16 at a time (a tile); a token's K rows for
+ * consecutive KV heads are adjacent in the cache, so the task streams each block's memory in order. Per tile and
+ * head, K is widened to float32 once into `ktile` and reused by the G query heads of the group. */
+#define DEFINE_TASK_AVX512(NAME, T, LOADV, STORE)                                                             \
+static inline __attribute__((always_inline)) void NAME(                                                      \
+        const T* q, const T* k_cache, const T* v_cache, const int64_t* bt, int L, int start, int64_t row,     \
+        T* out, int H, int KVH, int h0, int h1, int G, int BS, float scale, int64_t q_stride, const int ND,   \
+        float* s, float* qf, float* acc, float* ktile) {                                                      \
+    const int D = ND * 16, ctx = L - start, NH = h1 - h0, GH = G * NH;                                        \
+    for (int gh = 0; gh < GH; ++gh) {                                                                         \
+        const T* qp = q + row * q_stride + ((int64_t)h0 * G + gh) * D;                                        \
+        for (int j = 0; j < ND; ++j)                                                                          \
+            _mm512_storeu_ps(qf + gh * D + 16 * j, _mm512_mul_ps(LOADV(qp + 16 * j), _mm512_set1_ps(scale))); \
+    }                                                                                                         \
+    __m512 mxv[64];                                                                                           \
+    for (int gh = 0; gh < GH; ++gh) mxv[gh] = _mm512_set1_ps(-INFINITY);                                      \
+    for (int t0 = start; t0 < L; t0 += 16) {                                                                  \
+        const int nt = L - t0 < 16 ? L - t0 : 16;                                                             \
+        const __mmask16 km = (__mmask16)((1u << nt) - 1u);                                                    \
+        const T* rowp[16];                                                                                    \
+        for (int i = 0; i < nt; ++i) {                                                                        \
+            const int t = t0 + i;                                                                             \
+            rowp[i] = k_cache + (bt[t / BS] * BS + t % BS) * (int64_t)KVH * D;                                \
+        }                                                                                                     \
+        if (t0 + 16 < L) { /* prefetch the next tile's rows of these heads (they are adjacent in memory) */  \
+            const int nn = L - t0 - 16 < 16 ? L - t0 - 16 : 16;                                               \
+            for (int i = 0; i < nn; ++i) {                                                                    \
+                const int t = t0 + 16 + i;                                                                    \
+                const char* pk = (const char*)(k_cache + ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + h0) * D); \
+                const char* pv = (const char*)(v_cache + ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + h0) * D); \
+                for (int c = 0; c < NH * D * (int)sizeof(T); c += 64) {                                       \
+                    _mm_prefetch(pk + c, _MM_HINT_T0);                                                        \
+                    _mm_prefetch(pv + c, _MM_HINT_T1);                                                        \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int kh = h0; kh < h1; ++kh) {                                                                    \
+            for (int i = 0; i < nt; ++i)                                                                      \
+                for (int j = 0; j < ND; ++j)                                                                  \
+                    _mm512_storeu_ps(ktile + i * D + 16 * j, LOADV(rowp[i] + (int64_t)kh * D + 16 * j));     \
+            for (int g = 0; g < G; ++g) {                                                                     \
+                const int gh = (kh - h0) * G + g;                                                             \
+                const float* qg = qf + gh * D;                                                                \
+                __m512 dots[16];                                                                              \
+                for (int i = 0; i < 16; ++i) {                                                                \
+                    if (i < nt) {                                                                             \
+                        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(ktile + i * D));        \
+                        for (int j = 1; j < ND; ++j)                                                          \
+                            a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j),                                 \
+                                                _mm512_loadu_ps(ktile + i * D + 16 * j), a);                  \
+                        dots[i] = a;                                                                          \
+                    } else {                                                                                  \
+                        dots[i] = _mm512_setzero_ps();                                                        \
+                    }                                                                                         \
+                }                                                                                             \
+                const __m512 sv = reduce16(dots);                                                             \
+                _mm512_mask_storeu_ps(s + (int64_t)gh * ctx + (t0 - start), km, sv);                          \
+                mxv[gh] = _mm512_mask_max_ps(mxv[gh], km, mxv[gh], sv);                                       \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    float inv_sum[64];                                                                                        \
+    for (int gh = 0; gh < GH; ++gh) {                                                                         \
+        float* sg = s + (int64_t)gh * ctx;                                                                    \
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[gh]));                                       \
+        __m512 sum = _mm512_setzero_ps();                                                                     \
+        int i = 0;                                                                                            \
+        for (; i + 16 <= ctx; i += 16) {                                                                      \
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), m));                                \
+            _mm512_storeu_ps(sg + i, e);                                                                      \
+            sum = _mm512_add_ps(sum, e);                                                                      \
+        }                                                                                                     \
+        if (i < ctx) {                                                                                        \
+            const __mmask16 k = (__mmask16)((1u << (ctx - i)) - 1u);                                          \
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), m))); \
+            _mm512_mask_storeu_ps(sg + i, k, e);                                                              \
+            sum = _mm512_add_ps(sum, e);                                                                      \
+        }                                                                                                     \
+        inv_sum[gh] = 1.0f / _mm512_reduce_add_ps(sum);                                                       \
+    }                                                                                                         \
+    for (int i = 0; i < GH * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());                      \
+    for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {                                         \
+        const T* vrow = v_cache + (bt[b] * BS + o) * (int64_t)KVH * D;                                        \
+        if (++o == BS) { o = 0; ++b; }                                                                        \
+        for (int kh = h0; kh < h1; ++kh) {                                                                    \
+            const T* vp = vrow + (int64_t)kh * D;                                                             \
+            __m512 vv[16];                                                                                    \
+            for (int j = 0; j < ND; ++j) vv[j] = LOADV(vp + 16 * j);                                          \
+            for (int g = 0; g < G; ++g) {                                                                     \
+                const int gh = (kh - h0) * G + g;                                                             \
+                const __m512 p = _mm512_set1_ps(s[(int64_t)gh * ctx + (t - start)]);                          \
+                float* ag = acc + gh * D;                                                                     \
+                for (int j = 0; j < ND; ++j)                                                                  \
+                    _mm512_storeu_ps(ag + 16 * j, _mm512_fmadd_ps(p, vv[j], _mm512_loadu_ps(ag + 16 * j)));   \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (int gh = 0; gh < GH; ++gh) {                                                                         \
+        T* op = out + (row * H + (int64_t)h0 * G + gh) * D;                                                   \
+        for (int d = 0; d < D; ++d) op[d] = STORE(acc[gh * D + d] * inv_sum[gh]);                             \
+    }                                                                                                         \
+}
+
+DEFINE_TASK_AVX512(task_bf16, uint16_t, load16_bf16, f32_to_bf16)
+DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
+
+#include <omp.h>
+
+/* Work split: one task per request (all its KV heads: sequential memory) when there are enough requests to keep
+ * every thread busy, else one task per (request, KV head). */
+#define DEFINE_DECODE_AVX512(NAME, T, TASK, SCALAR)                                                          \
+void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, int64_t max_blocks,  \
+          const int64_t* seq_lens, const int64_t* rows, T* out, int n, int H, int KVH, int D, int BS,        \
+          float scale, int window, int64_t q_stride) {                                                        \
+    const int G = H / KVH, ND = D / 16;                                                                       \
+    if (D % 16 != 0 || D > 256 || H > 64) {                                                                   \
+        SCALAR(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, rows, out, n, H, KVH, D, BS, scale,   \
+               window, q_stride);                                                                             \
+        return;                                                                                               \
+    }                                                                                                         \
+    const int nthreads = omp_get_max_threads();                                                               \
+    const int split = (n >= 2 * nthreads) ? 1 : KVH;                                                          \
+    const int hpt = KVH / split;                                                                              \
+    _Pragma("omp parallel if (n * split > 1)")                                                                \
+    {                                                                                                         \
+        int cap = 0;                                                                                          \
+        float* s = NULL;                                                                                      \
+        float* qf = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                 \
+        float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                \
+        float* ktile = (float*)aligned_alloc(64, sizeof(float) * (size_t)16 * D);                             \
+        _Pragma("omp for schedule(dynamic, 1)")                                                               \
+        for (int task = 0; task < n * split; ++task) {                                                        \
+            const int r = task / split, h0 = (task % split) * hpt, h1 = h0 + hpt;                             \
+            const int L = (int)seq_lens[r];                                                                   \
+            const int start = (window > 0 && L > window) ? L - window : 0;                                    \
+            if (G * hpt * (L - start) > cap) {                                                                \
+                free(s);                                                                                      \
+                cap = G * hpt * (L - start);                                                                  \
+                s = (float*)malloc(sizeof(float) * (size_t)cap);                                              \
+            }                                                                                                 \
+            const int64_t row = rows ? rows[r] : r;                                                           \
+            const int64_t* bt = block_tables + (int64_t)r * max_blocks;                                       \
+            switch (ND) {                                                                                     \
+                case 4: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,       \
+                             q_stride, 4, s, qf, acc, ktile); break;                                          \
+                case 8: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,       \
+                             q_stride, 8, s, qf, acc, ktile); break;                                          \
+                default: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,      \
+                              q_stride, ND, s, qf, acc, ktile);                                               \
+            }                                                                                                 \
+        }                                                                                                     \
+        free(s); free(qf); free(acc); free(ktile);                                                            \
+    }                                                                                                         \
+}
+
+DEFINE_DECODE_AVX512(paged_decode_bf16, uint16_t, task_bf16, paged_decode_bf16_scalar)
+DEFINE_DECODE_AVX512(paged_decode_f32, float, task_f32, paged_decode_f32_scalar)
+#else
+DEFINE_DECODE_SCALAR(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE_SCALAR(paged_decode_f32, float, f32_id, f32_id)
+#endif
 
 int paged_decode_max_group(void) { return 64; }

@@ -1,0 +1,204 @@
+/* Fused element-wise CPU ops for the decoder layer, in plain C + OpenMP (one pass over memory instead of 4-8 torch
+ * ops, each with its own dispatch and OpenMP region).
+ *
+ * Numerics follow the torch ops they replace (see pagedllm/layers/layernorm.py and activation use in the models):
+ *  - add_rms_norm: residual' = round(x + residual) in the storage dtype (as a bf16 ``x + residual``), then
+ *    y = round(residual' / sqrt(mean(residual'^2) + eps) * weight) with the norm in float32 and one final rounding
+ *    (as ``F.rms_norm`` with a weight upcasts and rounds once). RMSNorm: Zhang & Sennrich 2019.
+ *  - silu_mul: y = round(round(silu(gate)) * up), silu in float32 (as ``F.silu(gate) * up`` in bf16).
+ * Rows are [T, H] contiguous.
+ */
+#include <stdint.h>
+#include <math.h>
+
+#include "bf16.h"
+
+#define PAR_MIN_ELEMS 262144
+
+#define DEFINE_RMS(NAME, T, LOAD, STORE, ROUND)                                                               \
+void NAME(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t rows, int64_t H,  \
+          float eps) {                                                                                        \
+    _Pragma("omp parallel for schedule(static) if (rows * H >= PAR_MIN_ELEMS)")                               \
+    for (int64_t r = 0; r < rows; ++r) {                                                                      \
+        const T* xr = x + r * H;                                                                              \
+        T* orow = out + r * H;                                                                                \
+        float ss = 0.f;                                                                                       \
+        if (residual) {                                                                                       \
+            const T* rr = residual + r * H;                                                                   \
+            T* ro = residual_out + r * H;                                                                     \
+            for (int64_t i = 0; i < H; ++i) {                                                                 \
+                const float v = ROUND(LOAD(xr[i]) + LOAD(rr[i]));                                             \
+                ro[i] = STORE(v);                                                                             \
+                ss += v * v;                                                                                  \
+            }                                                                                                 \
+            xr = ro;                                                                                          \
+        } else {                                                                                              \
+            for (int64_t i = 0; i < H; ++i) { const float v = LOAD(xr[i]); ss += v * v; }                    \
+        }                                                                                                     \
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);                                                 \
+        for (int64_t i = 0; i < H; ++i) orow[i] = STORE(LOAD(xr[i]) * inv * LOAD(weight[i]));                 \
+    }                                                                                                         \
+}
+
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                          \
+void NAME(const T* gu, T* out, int64_t rows, int64_t I) {                                                     \
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")                               \
+    for (int64_t r = 0; r < rows; ++r) {                                                                      \
+        const T* g = gu + r * 2 * I;                                                                          \
+        const T* u = g + I;                                                                                   \
+        T* o = out + r * I;                                                                                   \
+        for (int64_t i = 0; i < I; ++i) {                                                                     \
+            const float gv = LOAD(g[i]);                                                                      \
+            const float s = ROUND(gv / (1.0f + expf(-gv)));                                                   \
+            o[i] = STORE(s * LOAD(u[i]));                                                                     \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+
+DEFINE_RMS(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
+#if defined(__AVX512F__)
+#include "simd.h"
+/* Vectorized: silu(g) = g / (1 + exp(-g)) with exp16 (relative error < 2e-7, far below a bf16 ulp). */
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+static inline __m512 round16_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(store16_bf16_bits(v)), 16));
+}
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* g = gu + r * 2 * I;
+        const uint16_t* u = g + I;
+        uint16_t* o = out + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const __m512 s = round16_bf16(silu16(load16_bf16(g + i)));
+            _mm256_storeu_si256((__m256i*)(o + i), store16_bf16_bits(_mm512_mul_ps(s, load16_bf16(u + i))));
+        }
+        for (; i < I; ++i) {
+            const float gv = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * bf16_to_f32(u[i]));
+        }
+    }
+}
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gu + r * 2 * I;
+        const float* u = g + I;
+        float* o = out + r * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+        for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+#else
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, f32_id, f32_id, f32_id)
+#endif
+
+/* argmax over each row of x [rows, cols] -> out [rows] int64: the first index of the maximum, as torch.argmax;
+ * a row containing NaN returns the first NaN's index (torch treats NaN as the maximum). bf16 rows are compared
+ * after the exact widening to float32, so both dtypes give torch's answer on the same values. */
+#if defined(__AVX512F__)
+#include "simd.h"
+#define ARGMAX_LOADV_f32(p) _mm512_loadu_ps(p)
+#define ARGMAX_LOADV_bf16(p) load16_bf16(p)
+#endif
+#define DEFINE_ARGMAX(NAME, T, LOAD, SUFFIX)                                                                  \
+void NAME(const T* x, int64_t* out, int64_t rows, int64_t cols) {                                             \
+    for (int64_t r = 0; r < rows; ++r) {                                                                      \
+        const T* xr = x + r * cols;                                                                           \
+        int64_t best = 0, i = 0;                                                                              \
+        float bv = LOAD(xr[0]);                                                                               \
+        ARGMAX_VECTOR_##SUFFIX                                                                                \
+        if (i == 0) {                                                                                         \
+            if (bv != bv) { out[r] = 0; continue; }                                                           \
+            i = 1;                                                                                            \
+        }                                                                                                     \
+        for (; i < cols; ++i) {                                                                               \
+            const float v = LOAD(xr[i]);                                                                      \
+            if (v != v) { best = i; break; }                                                                  \
+            if (v > bv) { bv = v; best = i; }                                                                 \
+        }                                                                                                     \
+        out[r] = best;                                                                                        \
+    }                                                                                                         \
+}
+
+#if defined(__AVX512F__)
+/* 16 running maxima (strict >, so each lane keeps its first maximum) and their indices; lanes merged at the end
+ * preferring the lower index on ties. A NaN anywhere sends the row to the scalar loop from index 0. */
+#define ARGMAX_VECTOR_BODY(LOADV)                                                                             \
+        if (cols >= 16) {                                                                                     \
+            __m512 mv = LOADV(xr);                                                                            \
+            __m512i mi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);              \
+            __m512i cur = mi;                                                                                 \
+            const __m512i step = _mm512_set1_epi32(16);                                                       \
+            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);                                         \
+            for (i = 16; i + 16 <= cols && !nan; i += 16) {                                                   \
+                cur = _mm512_add_epi32(cur, step);                                                            \
+                const __m512 v = LOADV(xr + i);                                                               \
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);                                   \
+                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                 \
+                mv = _mm512_mask_mov_ps(mv, gt, v);                                                           \
+                mi = _mm512_mask_mov_epi32(mi, gt, cur);                                                      \
+            }                                                                                                 \
+            if (nan) {                                                                                        \
+                i = 0;                                                                                        \
+            } else {                                                                                          \
+                float vals[16];                                                                               \
+                int32_t idx[16];                                                                              \
+                _mm512_storeu_ps(vals, mv);                                                                   \
+                _mm512_storeu_si512((void*)idx, mi);                                                          \
+                bv = vals[0];                                                                                 \
+                best = idx[0];                                                                                \
+                for (int l = 1; l < 16; ++l)                                                                  \
+                    if (vals[l] > bv || (vals[l] == bv && idx[l] < best)) { bv = vals[l]; best = idx[l]; }    \
+            }                                                                                                 \
+        }
+#define ARGMAX_VECTOR_f32 ARGMAX_VECTOR_BODY(ARGMAX_LOADV_f32)
+#define ARGMAX_VECTOR_bf16 ARGMAX_VECTOR_BODY(ARGMAX_LOADV_bf16)
+#else
+#define ARGMAX_VECTOR_f32
+#define ARGMAX_VECTOR_bf16
+#endif
+
+DEFINE_ARGMAX(argmax_rows_f32, float, f32_id, f32)
+DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, bf16_to_f32, bf16)
+
+/* Rotary embedding (NeoX "rotate half" form, as HF's apply_rotary_pos_emb) on q and k of every token, in place, then
+ * K and V written into the paged cache at their slots.
+ *   qkv  [T, row_stride]: q heads [0, H), k heads [H, H + KVH), v heads after (each D wide), contiguous per row;
+ *   cs   [T, cs_stride]: cos at cs[t], sin at cs[t] + D (the rotary cache stores [cos, cos] and [-sin, sin]);
+ *   cache_k / cache_v [num_slots, KVH, D]; slots [T] int64.
+ * y = round(round(x * cos) + roll(x, D/2) * sin), the two roundings of torch.addcmul(x * cos, roll(x), sin). */
+#define DEFINE_ROPE_CACHE(NAME, T, LOAD, STORE, ROUND)                                                       \
+void NAME(T* qkv, int64_t row_stride, const T* cs, int64_t cs_stride, T* cache_k, T* cache_v,              \
+          const int64_t* slots, int64_t T_, int H, int KVH, int D) {                                          \
+    const int half = D / 2;                                                                                   \
+    for (int64_t t = 0; t < T_; ++t) {                                                                        \
+        T* row = qkv + t * row_stride;                                                                        \
+        const T* c = cs + t * cs_stride;                                                                      \
+        const T* s = c + D;                                                                                   \
+        float x[512];                                                                                         \
+        for (int h = 0; h < H + KVH; ++h) {                                                                   \
+            T* xp = row + (int64_t)h * D;                                                                     \
+            for (int i = 0; i < D; ++i) x[i] = LOAD(xp[i]);                                                   \
+            for (int i = 0; i < D; ++i) {                                                                     \
+                const float r = x[i < half ? i + half : i - half];                                            \
+                xp[i] = STORE(ROUND(x[i] * LOAD(c[i])) + r * LOAD(s[i]));                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+        const int64_t base = slots[t] * (int64_t)KVH * D;                                                     \
+        const T* kp = row + (int64_t)H * D;                                                                   \
+        const T* vp = kp + (int64_t)KVH * D;                                                                  \
+        for (int i = 0; i < KVH * D; ++i) { cache_k[base + i] = kp[i]; cache_v[base + i] = vp[i]; }           \
+    }                                                                                                         \
+}
+
+DEFINE_ROPE_CACHE(rope_cache_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_ROPE_CACHE(rope_cache_f32, float, f32_id, f32_id, f32_id)

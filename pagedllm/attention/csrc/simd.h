@@ -1,0 +1,41 @@
+/* AVX-512 helpers shared by the CPU kernels (included only when __AVX512F__ is defined). */
+#ifndef PAGEDLLM_SIMD_H
+#define PAGEDLLM_SIMD_H
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m512 load16_bf16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
+
+/* exp(x) for x <= 0: 2^(x log2 e) split into 2^n * 2^f, f in [-1/2, 1/2]; 2^f by its degree-6 Taylor polynomial in
+ * f ln 2 (relative error < 2e-7 on that interval), then _mm512_scalef_ps applies 2^n. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Round-to-nearest-even float32 -> bf16 of 16 lanes (same rounding as the scalar f32_to_bf16; no NaN handling). */
+static inline __m256i store16_bf16_bits(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v); /* one instruction, round to nearest even */
+#else
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+}
+#endif

@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism on ``torch.distributed`` (gloo on CPU, NCCL on CUDA)."""

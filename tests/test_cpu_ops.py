@@ -1,0 +1,130 @@
+"""The fused C element-wise ops (csrc/cpu_ops.c) and the oneDNN-packed linear layer equal the torch ops they
+replace: bit-exact in bfloat16 (same roundings), within float32 rounding in float32."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import cpu_kernels
+from pagedllm.layers.packed_linear import PackedLinear, lm_head_logits, pack_linear_weights, packing_supported
+
+
+@pytest.fixture(autouse=True)
+def _lib():
+    if cpu_kernels.get_lib() is None:
+        pytest.fail("the CPU kernels failed to build (is gcc installed?)")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300, 600])  # 600 x 576: over the threshold where rows run in parallel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_matches_torch(rows, dtype):
+    torch.manual_seed(rows)
+    H = 576
+    x, res = torch.randn(rows, H).to(dtype), torch.randn(rows, H).to(dtype)
+    w = (torch.rand(H) + 0.5).to(dtype)
+    y, new_res = cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+    ref_res = x + res
+    ref = F.rms_norm(ref_res, (H,), w, 1e-5)
+    assert torch.equal(new_res, ref_res)
+    y0, none = cpu_kernels.add_rms_norm(x, None, w, 1e-5)
+    assert none is None
+    if dtype == torch.bfloat16:  # one rounding at the end, as F.rms_norm: at most one ulp apart
+        torch.testing.assert_close(y, ref, atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(y0, F.rms_norm(x, (H,), w, 1e-5), atol=0, rtol=2 ** -7)
+        assert (y != ref).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y0, F.rms_norm(x, (H,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 200])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_matches_torch(rows, dtype):
+    torch.manual_seed(rows)
+    gu = (torch.randn(rows, 2 * 1537) * 3).to(dtype)  # odd width: no vector-length assumption
+    out = cpu_kernels.silu_and_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out, ref, atol=0, rtol=2 ** -7)
+        assert (out != ref).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_fused_ops_decline_what_they_cannot_do():
+    x = torch.randn(4, 8, dtype=torch.float16)
+    assert cpu_kernels.add_rms_norm(x, None, torch.ones(8, dtype=torch.float16), 1e-6) is None
+    assert cpu_kernels.silu_and_mul(torch.randn(4, 16)[:, ::2]) is None  # non-contiguous
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(bias):
+    torch.manual_seed(0)
+    for out_f, in_f in [(960, 576), (49, 33), (3072, 576)]:
+        lin = nn.Linear(in_f, out_f, bias=bias, dtype=torch.bfloat16)
+        packed = PackedLinear(lin.weight, lin.bias)
+        for rows in (1, 3, 32, 100):
+            x = torch.randn(rows, in_f).bfloat16()
+            torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 here")
+def test_pack_linear_weights_replaces_linears_and_tied_head():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16, dtype=torch.bfloat16)
+            self.proj = nn.Linear(16, 16, dtype=torch.bfloat16)
+            self.lm_head = self.embed
+
+    m = Tiny()
+    h = torch.randn(3, 16).bfloat16()
+    ref_proj, ref_logits = F.linear(h, m.proj.weight, m.proj.bias), F.linear(h, m.embed.weight)
+    assert pack_linear_weights(m) == 2
+    assert isinstance(m.proj, PackedLinear) and isinstance(m.lm_head, nn.Embedding)
+    torch.testing.assert_close(m.proj(h), ref_proj, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lm_head_logits(m, h), ref_logits, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
+def test_argmax_rows_matches_torch_including_ties_and_nan(cols, dtype):
+    torch.manual_seed(cols)
+    x = torch.randn(6, cols).to(dtype)
+    x[1] = 0.0  # all tied: first index
+    if cols > 3:
+        x[2, cols - 1] = x[2, 1] = 100.0  # a tie between an early and the last column
+        x[3, cols // 2] = float("nan")  # NaN counts as the maximum
+        x[4, 0] = float("inf")
+    got = cpu_kernels.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 4, 32), (2, 1, 6)])
+def test_rope_and_cache_matches_torch_path(dtype, H, KVH, D):
+    from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(H * D)
+    T, NB, BS = 7, 6, 4
+    rope = RotaryEmbedding(D, 256, {"rope_type": "default", "rope_theta": 10000.0}, dtype=dtype)
+    positions = torch.tensor([0, 1, 5, 17, 100, 3, 255])
+    cos, sin = rope(positions)
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    slots = torch.randperm(NB * BS)[:T]
+    cache = torch.zeros(2, NB, BS, KVH, D, dtype=dtype)
+    # reference: the torch path of LlamaAttention
+    qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+    ref_cache = torch.zeros_like(cache)
+    ref_cache[0].view(-1, KVH, D).index_copy_(0, slots, qk[:, H:])
+    ref_cache[1].view(-1, KVH, D).index_copy_(0, slots, qkv[:, (H + KVH) * D:].view(T, KVH, D))
+    v_before = qkv[:, (H + KVH) * D:].clone()
+    assert cpu_kernels.rope_and_cache(qkv, cos, cache, slots, H, KVH, D)
+    tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), qk, **tol)
+    torch.testing.assert_close(cache, ref_cache, **tol)
+    assert torch.equal(qkv[:, (H + KVH) * D:], v_before)  # V is not rotated
