@@ -115,12 +115,15 @@ class WorkerInfo:
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of this rank's parameters (tied parameters counted once; rotary tables and other buffers not)."""
+    """Bytes of this rank's parameters and oneDNN-packed weights (tied parameters counted once; rotary tables and
+    other buffers not)."""
     seen, total = set(), 0
-    for t in model.parameters():
-        if t.data_ptr() in seen:
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b.is_mkldnn]
+    for t in tensors:
+        key = id(t) if t.is_mkldnn else t.data_ptr()  # packed weights are opaque: no data pointer
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(key)
         total += t.numel() * t.element_size()
     return total
 
