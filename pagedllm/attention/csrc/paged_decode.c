@@ -205,9 +205,113 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
 
 #include <omp.h>
 
+#if defined(__AVX512BF16__)
+/* bf16 fast path (CPUs with AVX512-BF16): q.k with vdpbf16ps straight on the bf16 rows (exact products, float32
+ * sums; no widening of K), and P.V with all G x ND accumulators in registers, one pass over V. G and ND are
+ * compile-time constants in each instantiation (dp_dispatch), so the accumulators stay in zmm registers. One KV
+ * head per call; P stays float32 (unlike flash-attention kernels that round it to bf16). */
+static inline __attribute__((always_inline)) void dp_task(
+        const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int L, int start,
+        int64_t row, uint16_t* out, int H, int KVH, int kh, int BS, float scale, int64_t q_stride, const int G,
+        const int ND, float* s) {
+    const int D = ND * 16, ctx = L - start, NP = ND / 2;
+    __m512bh qv[6][4];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NP; ++c)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512((const void*)(q + row * q_stride + ((int64_t)kh * G + g) * D
+                                                                   + 32 * c));
+    __m512 mxv[6];
+    for (int g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t0 = start; t0 < L; t0 += 16) {
+        const int nt = L - t0 < 16 ? L - t0 : 16;
+        const __mmask16 km = (__mmask16)((1u << nt) - 1u);
+        const uint16_t* rowp[16];
+        for (int i = 0; i < nt; ++i) {
+            const int t = t0 + i;
+            rowp[i] = k_cache + ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + kh) * D;
+        }
+        for (int g = 0; g < G; ++g) {
+            __m512 dots[16];
+            for (int i = 0; i < 16; ++i) {
+                __m512 a = _mm512_setzero_ps();
+                if (i < nt)
+                    for (int c = 0; c < NP; ++c)
+                        a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512((const void*)(rowp[i] + 32 * c)));
+                dots[i] = a;
+            }
+            const __m512 sv = _mm512_mul_ps(reduce16(dots), vscale);
+            _mm512_mask_storeu_ps(s + (int64_t)g * ctx + (t0 - start), km, sv);
+            mxv[g] = _mm512_mask_max_ps(mxv[g], km, mxv[g], sv);
+        }
+    }
+    float inv_sum[6];
+    for (int g = 0; g < G; ++g) {
+        float* sg = s + (int64_t)g * ctx;
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[g]));
+        __m512 sum = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= ctx; i += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), m));
+            _mm512_storeu_ps(sg + i, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if (i < ctx) {
+            const __mmask16 k = (__mmask16)((1u << (ctx - i)) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), m)));
+            _mm512_mask_storeu_ps(sg + i, k, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    __m512 acc[6][8];
+    for (int g = 0; g < G; ++g)
+        for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {
+        const uint16_t* vp = v_cache + ((bt[b] * BS + o) * (int64_t)KVH + kh) * D;
+        if (++o == BS) { o = 0; ++b; }
+        __m512 vv[8];
+        for (int j = 0; j < ND; ++j) vv[j] = load16_bf16(vp + 16 * j);
+        for (int g = 0; g < G; ++g) {
+            const __m512 pw = _mm512_set1_ps(s[(int64_t)g * ctx + (t - start)]);
+            for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_fmadd_ps(pw, vv[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        uint16_t* op = out + (row * H + (int64_t)kh * G + g) * D;
+        const __m512 is = _mm512_set1_ps(inv_sum[g]);
+        for (int j = 0; j < ND; ++j)
+            _mm256_storeu_si256((__m256i*)(op + 16 * j), store16_bf16_bits(_mm512_mul_ps(acc[g][j], is)));
+    }
+}
+
+/* Runs KV heads [h0, h1) of one request through dp_task when (G, head_dim) has an instantiation; returns 0 (did
+ * nothing) otherwise. */
+static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt,
+                       int L, int start, int64_t row, uint16_t* out, int H, int KVH, int h0, int h1, int G, int BS,
+                       float scale, int64_t q_stride, int ND, float* s) {
+#define DP_CASE(G_, ND_)                                                                                      \
+    case (G_) * 16 + (ND_):                                                                                   \
+        for (int kh = h0; kh < h1; ++kh)                                                                      \
+            dp_task(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, kh, BS, scale, q_stride, G_, ND_, s); \
+        return 1;
+    switch (G * 16 + ND) {
+        DP_CASE(1, 4) DP_CASE(2, 4) DP_CASE(3, 4) DP_CASE(4, 4) DP_CASE(5, 4) DP_CASE(6, 4)
+        DP_CASE(1, 8) DP_CASE(2, 8) DP_CASE(3, 8)
+        default: return 0;
+    }
+#undef DP_CASE
+}
+#define TRY_FAST_bf16(...) dp_dispatch(__VA_ARGS__)
+#else
+#define TRY_FAST_bf16(...) 0
+#endif
+#define TRY_FAST_f32(...) 0
+
+
 /* Work split: one task per request (all its KV heads: sequential memory) when there are enough requests to keep
  * every thread busy, else one task per (request, KV head). */
-#define DEFINE_DECODE_AVX512(NAME, T, TASK, SCALAR)                                                          \
+#define DEFINE_DECODE_AVX512(NAME, T, TASK, SCALAR, FAST)                                                          \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, int64_t max_blocks,  \
           const int64_t* seq_lens, const int64_t* rows, T* out, int n, int H, int KVH, int D, int BS,        \
           float scale, int window, int64_t q_stride) {                                                        \
@@ -239,6 +343,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             }                                                                                                 \
             const int64_t row = rows ? rows[r] : r;                                                           \
             const int64_t* bt = block_tables + (int64_t)r * max_blocks;                                       \
+            if (FAST(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale, q_stride, ND, s)) \
+                continue;                                                                                     \
             switch (ND) {                                                                                     \
                 case 4: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,       \
                              q_stride, 4, s, qf, acc, ktile); break;                                          \
@@ -252,8 +358,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     }                                                                                                         \
 }
 
-DEFINE_DECODE_AVX512(paged_decode_bf16, uint16_t, task_bf16, paged_decode_bf16_scalar)
-DEFINE_DECODE_AVX512(paged_decode_f32, float, task_f32, paged_decode_f32_scalar)
+DEFINE_DECODE_AVX512(paged_decode_bf16, uint16_t, task_bf16, paged_decode_bf16_scalar, TRY_FAST_bf16)
+DEFINE_DECODE_AVX512(paged_decode_f32, float, task_f32, paged_decode_f32_scalar, TRY_FAST_f32)
 #else
 DEFINE_DECODE_SCALAR(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_DECODE_SCALAR(paged_decode_f32, float, f32_id, f32_id)
