@@ -187,7 +187,8 @@ class EngineArgs:
             cls = get_model_class(architecture)
         except ValueError:
             cls = None
-        return resolve_quant_config(self.quantization, model, hf_config, cls, self.tensor_parallel_size)
+        return resolve_quant_config(self.quantization, model, hf_config, cls,
+                                    self.tensor_parallel_size * self.pipeline_parallel_size)
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model, reads its config and builds the frozen config (KV block count still 0).

@@ -238,6 +238,8 @@ def _fake_runs() -> list:
         R("serve", "vllm", "x", True, {"levels": [lv(200.0, 1000.0, 50.0, 50.0)]}),
         R("serve", "llamacpp", "", False, None, "not installed (make bench-peers)"),
         R("single", "pagedllm", "x", True, {"levels": [lv(30.0, 100.0, 40.0, 25.0)]}),
+        R("single", "pagedllm-int4", "x", True, {"levels": [lv(50.0, 100.0, 40.0, 20.0)]}),
+        R("single", "llamacpp", "x", True, {"levels": [lv(40.0, 100.0, 40.0, 25.0)]}),
         R("latency", "pagedllm-bs32", "x", True, {"mean_itl_ms": 60.0, "decode_tokens_per_second": 533.0,
                                                   "mean_ttft_ms": 300.0}),
         R("floor", "matmul", "x", True, {"floor": [{"batch_size": 32, "step_ms_median": 40.0}]}),
@@ -253,6 +255,9 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     assert C.ratio(rows["serve chat: median TTFT ms"], "vllm") == pytest.approx(2.0)  # lower is better
     assert C.ratio(rows["serve chat: P99 ITL ms"], "vllm") == pytest.approx(0.5)
     assert C.ratio(rows["serve chat: output tok/s"], "llamacpp") is None
+    # issue 8's row: ours with the GGUF kept 4-bit vs llama.cpp, decode tok/s = 1000 / TPOT
+    int4 = rows["int4 (GGUF Q4_1 kept 4-bit): single stream decode tok/s"]
+    assert int4.ours == pytest.approx(50.0) and C.ratio(int4, "llamacpp") == pytest.approx(1.25)
     table = C.format_ratio_table(list(rows.values()))
     assert "| offline mixed: output tok/s | 900.0 | 600.0 | **1.50x** | 90.0 | **10.00x** |" in table
     assert "| 32 | 60.0 |" in C.engine_table(runs) and "1.50x" in C.engine_table(runs)

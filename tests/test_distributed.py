@@ -207,7 +207,7 @@ REAL_PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived",
     "Q: What is 17 times 3?\nA:",
 ]
-REAL_KW = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20)
+REAL_KW = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20, quantization="none")
 REAL_SP = SamplingParams(max_tokens=24, temperature=0)
 
 
@@ -256,7 +256,7 @@ def test_server_tp2_equals_tp1_and_health_reports_dead_worker(smollm_tp1, tmp_pa
     from conftest import start_server, stop_server
 
     _, want_texts, _ = smollm_tp1
-    server = start_server(str(tmp_path / "serve_tp2.log"), "--tensor-parallel-size", "2")
+    server = start_server(str(tmp_path / "serve_tp2.log"), "--tensor-parallel-size", "2", "--quantization", "none")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from pagedllm.benchmarks import peers as P
 
-PEER_NAMES = {"pagedllm": "pagedllm", "vllm": "vLLM-CPU", "hf": "HF Transformers", "llamacpp": "llama.cpp"}
+PEER_NAMES = {"pagedllm": "pagedllm", "pagedllm-int4": "pagedllm int4", "vllm": "vLLM-CPU", "hf": "HF Transformers", "llamacpp": "llama.cpp"}
 
 
 @dataclass
@@ -110,47 +110,63 @@ def _tail(path: str, n: int = 12) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sections
+# Issue 5's targets compare engines on the same bf16 weights, so "pagedllm" runs the bundled GGUF expanded to bf16;
+# "pagedllm-int4" runs it as stored (Q4_1 layers kept 4-bit, the default), next to llama.cpp on the same file.
+OURS_BF16 = ["--dtype", "bfloat16", "--quantization", "none"]
+OURS_INT4 = ["--quantization", "gguf"]
+OURS_FLAGS = {"pagedllm": OURS_BF16, "pagedllm-int4": OURS_INT4}
+
+
 def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
-    for eng in ["pagedllm", "vllm", "hf"]:
-        if eng != "pagedllm" and eng not in ns.peers:
+    for eng in ["pagedllm", "pagedllm-int4", "vllm", "hf"]:
+        if not eng.startswith("pagedllm") and eng not in ns.peers:
             continue
         if eng == "vllm" and (P.vllm_python() is None or P.hf_export_dir() is None):
             runs.append(Run("offline", eng, "", error="not installed (make bench-peers)"))
             continue
         out = os.path.join(out_dir, f"offline-{eng}.json")
-        cmd = _cli("throughput", "--backend", eng, "--dataset-name", "mixed", "--num-prompts",
+        backend = "pagedllm" if eng.startswith("pagedllm") else eng
+        cmd = _cli("throughput", "--backend", backend, "--dataset-name", "mixed", "--num-prompts",
                    str(ns.offline_num_prompts), "--max-model-len", "2048", "--seed", "0", "--output-json", out)
+        cmd += OURS_FLAGS.get(eng, [])
         if eng == "hf":
             cmd += ["--hf-batch-size", str(ns.hf_batch_size)]
         runs.append(_run_json("offline", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"offline-{eng}.log")))
 
 
-def _serve_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run]) -> None:
+def _serve_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run],
+                single_only: bool = False) -> None:
     out = os.path.join(out_dir, f"serve-{eng}.json")
+    if single_only:
+        return _single_run(ns, eng, server, out_dir, runs)
     cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai-chat", "--dataset-name", "chat",
                "--num-prompts", str(ns.serve_num_prompts), "--max-concurrency", str(ns.serve_concurrency),
                "--output-len", str(ns.serve_output_len), "--seed", "0", "--label", PEER_NAMES[eng],
                "--result-file", out)
     runs.append(_run_json("serve", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"serve-{eng}.log")))
+    _single_run(ns, eng, server, out_dir, runs)
+
+
+def _single_run(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run]) -> None:
     out = os.path.join(out_dir, f"single-{eng}.json")
     cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai", "--dataset-name", "random",
                "--input-len", "128", "--output-len", str(ns.single_output_len),
                "--num-prompts", str(ns.single_num_prompts),
-               "--max-concurrency", "1", "--seed", "1", "--label", PEER_NAMES[eng], "--result-file", out)
+               "--max-concurrency", "1", "--seed", "1", "--label", PEER_NAMES.get(eng, eng), "--result-file", out)
     runs.append(_run_json("single", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"single-{eng}.log")))
 
 
 def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
     from pagedllm.model_files import default_model_path
 
-    for eng in ["pagedllm", "vllm", "llamacpp"]:
-        if eng != "pagedllm" and eng not in ns.peers:
+    for eng in ["pagedllm", "pagedllm-int4", "vllm", "llamacpp"]:
+        if not eng.startswith("pagedllm") and eng not in ns.peers:
             continue
         port = P.free_port()
         env = None
         env_note: dict = {}
-        if eng == "pagedllm":
-            cmd = P.ours_server_cmd(port)
+        if eng.startswith("pagedllm"):
+            cmd = P.ours_server_cmd(port, extra=OURS_FLAGS[eng])
         elif eng == "vllm":
             folder = P.hf_export_dir()
             if P.vllm_bin() is None or folder is None:
@@ -168,9 +184,9 @@ def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
                 continue
             cmd = P.llama_server_cmd(port, default_model_path(), parallel=max(16, ns.serve_concurrency))
         server_cmds[eng] = _pretty(cmd, env_note)
-        print(f"[compare] starting {PEER_NAMES[eng]}: {server_cmds[eng]}", flush=True)
+        print(f"[compare] starting {PEER_NAMES.get(eng, eng)}: {server_cmds[eng]}", flush=True)
         try:
-            srv = P.start_server(PEER_NAMES[eng], cmd, port, os.path.join(out_dir, f"server-{eng}.log"), env=env,
+            srv = P.start_server(PEER_NAMES.get(eng, eng), cmd, port, os.path.join(out_dir, f"server-{eng}.log"), env=env,
                                  timeout_s=ns.server_start_timeout)
         except RuntimeError as e:
             for s in ("serve", "single"):
@@ -178,7 +194,7 @@ def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
             continue
         print(f"[compare]   up after {srv.start_seconds:.0f} s", flush=True)
         try:
-            _serve_runs(ns, eng, srv, out_dir, runs)
+            _serve_runs(ns, eng, srv, out_dir, runs, single_only=eng == "pagedllm-int4")
         finally:
             srv.stop()
 
@@ -188,7 +204,7 @@ def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
         out = os.path.join(out_dir, f"latency-bs{bs}.json")
         cmd = _cli("latency", "--batch-size", str(bs), "--input-len", "128", "--output-len",
                    str(ns.latency_output_len), "--num-iters", str(ns.latency_iters), "--num-iters-warmup", "1",
-                   "--max-model-len", "2048", "--output-json", out)
+                   "--max-model-len", "2048", "--output-json", out, *OURS_BF16)
         runs.append(_run_json("latency", f"pagedllm-bs{bs}", cmd, out, ns.timeout,
                               os.path.join(out_dir, f"latency-bs{bs}.log")))
     out = os.path.join(out_dir, "floor.json")
@@ -254,6 +270,12 @@ def build_rows(runs: list[Run]) -> list[Row]:
                     {p: single_tps(p) for p in peers}, "reported next to llama.cpp"))
     rows.append(Row("single stream: TTFT ms", False, srv("single", "pagedllm", "mean_ttft_ms"),
                     {p: srv("single", p, "mean_ttft_ms") for p in peers}))
+    # Issue 8: ours with the GGUF's 4-bit weights kept quantized, against llama.cpp on the same file.
+    rows.append(Row("int4 (GGUF Q4_1 kept 4-bit): single stream decode tok/s", True, single_tps("pagedllm-int4"),
+                    {"llamacpp": single_tps("llamacpp")}, ">= 1.0x llama.cpp"))
+    rows.append(Row("int4 (GGUF Q4_1 kept 4-bit): offline mixed output tok/s", True,
+                    off("pagedllm-int4", "output_tokens_per_second"),
+                    {"vllm": off("vllm", "output_tokens_per_second")}))
     return rows
 
 
@@ -315,7 +337,7 @@ def detail_tables(runs: list[Run]) -> str:
     out = ["### Offline throughput (`mixed`)", "",
            "| engine | requests | elapsed s | req/s | output tok/s | total tok/s | input tok | output tok |",
            "|---|---|---|---|---|---|---|---|"]
-    for eng in ("pagedllm", "vllm", "hf"):
+    for eng in ("pagedllm", "pagedllm-int4", "vllm", "hf"):
         r = _get(runs, "offline", eng)
         if r:
             out.append(f"| {PEER_NAMES[eng]} | {r['num_requests']} | {r['elapsed_time']:.1f} | "
@@ -327,7 +349,7 @@ def detail_tables(runs: list[Run]) -> str:
                 "| server | ok/failed | duration s | req/s | output tok/s | TTFT mean/median/P99 ms | "
                 "TPOT mean/median/P99 ms | ITL mean/median/P99 ms | E2E mean/median/P99 ms |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for eng in ("pagedllm", "vllm", "llamacpp"):
+        for eng in ("pagedllm", "pagedllm-int4", "vllm", "llamacpp"):
             lv = _level(_get(runs, section, eng))
             if not lv:
                 continue
@@ -347,7 +369,8 @@ def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: di
         "# Benchmark results: pagedllm vs vLLM-CPU, llama.cpp and HF Transformers",
         "",
         f"Written by `pagedllm bench compare` on {started} ({wall / 60:.1f} min). Model: SmolLM2-135M-Instruct "
-        "(the bundled GGUF; pagedllm, vLLM and HF run it in bf16, llama.cpp on the original Q4_1 file). "
+        "(the bundled GGUF; pagedllm, vLLM and HF run it in bf16, llama.cpp on the original Q4_1 file, and "
+        "\"pagedllm int4\" runs that file as stored, its Q4_1 layers kept 4-bit). "
         "All engines use the machine's 2 cores. The machine is shared, so absolute figures swing (±25% or more); "
         "the ratios from one run are what counts.",
         "",

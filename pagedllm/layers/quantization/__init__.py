@@ -89,9 +89,12 @@ def resolve_quant_config(requested: Optional[str], model: str, hf_config: Any, m
                          tensor_parallel_size: int = 1) -> Optional[QuantConfig]:
     """The quantization to run with, from ``--quantization`` (None = auto) and the checkpoint.
 
+    ``tensor_parallel_size`` is the number of ranks (tensor x pipeline): quantized layers run in one process only,
+    so with several ranks ``auto`` runs a GGUF dequantized.
+
     Raises:
         ValueError: naming ``quantization`` for an unknown value, a mismatch with the checkpoint, a model class
-            that can't run quantized, or tensor parallelism.
+            that can't run quantized, or tensor/pipeline parallelism.
     """
     req = "auto" if requested is None else str(requested).lower()
     if req not in QUANTIZATION_METHODS:
@@ -119,7 +122,8 @@ def resolve_quant_config(requested: Optional[str], model: str, hf_config: Any, m
     if not supported:
         raise ValueError(f"quantization={qc.method!r} is not supported for {getattr(model_cls, '__name__', model_cls)}")
     if tensor_parallel_size > 1:
-        raise ValueError("quantization together with tensor_parallel_size > 1 is not supported")
+        raise ValueError("quantization together with tensor_parallel_size or pipeline_parallel_size > 1 is not "
+                         "supported (use quantization='none' to run the model dequantized)")
     return qc
 
 
