@@ -5,56 +5,27 @@ Kernels (C + OpenMP, AVX-512 where the CPU has it, scalar C otherwise):
 - ``add_rms_norm``, ``silu_and_mul``, ``rope_and_cache``, ``argmax_rows`` (``csrc/cpu_ops.c``): fused element-wise
   passes that replace 2-8 torch ops each (per-op dispatch and OpenMP overhead dominate at decode batch sizes).
 
-The shared library is cached under ``<cache_dir>/kernels/`` keyed by the sources, compiler flags and machine. Set
-``PAGEDLLM_CPU_KERNELS=0`` to use the pure-torch paths instead; if the build fails (no compiler), the torch paths
+The shared library is built and cached by ``pagedllm.utils.c_build`` (keyed by the sources, compiler flags and
+machine). Set ``PAGEDLLM_CPU_KERNELS=0`` to use the pure-torch paths instead; if the build fails (no compiler), the torch paths
 are used and one warning is logged. Every wrapper returns None/False when it can't run, and the caller falls back.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import platform
-import subprocess
-import tempfile
-import threading
 from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagedllm.utils.c_build import CLibrary
 
 _HDRS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("simd.h", "bf16.h")]
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("paged_decode.c", "cpu_ops.c")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 
-def _build() -> Optional[ctypes.CDLL]:
-    import torch  # noqa: F401  (torch's libgomp is loaded first, so the kernel shares its OpenMP runtime)
-
-    from pagedllm.model_files import cache_dir
-
-    src = b"".join(open(f, "rb").read() for f in _SRCS + _HDRS)
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.node().encode()
-                         + platform.processor().encode()).hexdigest()[:16]
-    out_dir = os.path.join(str(cache_dir()), "kernels")
-    os.makedirs(out_dir, exist_ok=True)
-    so = os.path.join(out_dir, f"pagedllm_cpu-{key}.so")
-    if not os.path.exists(so):
-        cc = os.environ.get("CC", "gcc")
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        res = subprocess.run([cc, *_FLAGS, *_SRCS, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if res.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(res.stderr[-2000:])
-        os.replace(tmp, so)
-    lib = ctypes.CDLL(so)
+def _declare(lib: ctypes.CDLL) -> None:
     argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + [
         ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     for name in ("paged_decode_bf16", "paged_decode_f32"):
@@ -78,23 +49,14 @@ def _build() -> Optional[ctypes.CDLL]:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int64]
         fn.restype = None
-    return lib
+
+
+_LIB = CLibrary("pagedllm_cpu", _SRCS, _FLAGS, _declare, headers=_HDRS)
 
 
 def get_lib() -> Optional[ctypes.CDLL]:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
-                try:
-                    _lib = _build()
-                except Exception as e:  # no compiler, or a build error: fall back to torch
-                    logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path.", e)
-                    _lib = None
-            _tried = True
-    return _lib
+    """The kernels' library (built on first use), or None: disabled, or no compiler."""
+    return _LIB.get()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

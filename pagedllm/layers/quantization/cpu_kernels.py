@@ -1,68 +1,34 @@
-"""Builds (once, with the system C compiler) and loads ``csrc/int4_cpu.c``: the batched int4 / int8 matmuls and
-the int4 weight expansion. Cached under ``<cache_dir>/kernels/`` keyed by source, flags and machine, as the attention
-kernel. ``PAGEDLLM_CPU_KERNELS=0`` or a failed build: the torch paths are used (one warning)."""
+"""``csrc/int4_cpu.c`` (built once by ``pagedllm.utils.c_build``): the batched int4 / int8 matmuls and the int4
+weight expansion. ``PAGEDLLM_CPU_KERNELS=0`` or a failed build: the torch paths are used (one warning)."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import platform
-import subprocess
-import tempfile
-import threading
 from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagedllm.utils.c_build import CLibrary
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "int4_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def _build() -> ctypes.CDLL:
-    from pagedllm.model_files import cache_dir
-
-    src = open(_SRC, "rb").read()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + platform.node().encode()
-                         + platform.processor().encode()).hexdigest()[:16]
-    out_dir = os.path.join(str(cache_dir()), "kernels")
-    os.makedirs(out_dir, exist_ok=True)
-    so = os.path.join(out_dir, f"int4_cpu-{key}.so")
-    if not os.path.exists(so):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        res = subprocess.run([os.environ.get("CC", "gcc"), *_FLAGS, _SRC, "-o", tmp], capture_output=True, text=True)
-        if res.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(res.stderr[-2000:])
-        os.replace(tmp, so)
-    lib = ctypes.CDLL(so)
+def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.int4_expand.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.int8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.int4_gemm.restype = lib.int4_expand.restype = lib.int8_gemm.restype = None
-    return lib
+
+
+_LIB = CLibrary("int4_cpu", [_SRC], _FLAGS, _declare)
 
 
 def get_lib() -> Optional[ctypes.CDLL]:
-    global _lib, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0":
-                    try:
-                        _lib = _build()
-                    except Exception as e:
-                        logger.warning("CPU int4 kernels unavailable (%s); using the torch paths.", e)
-                _tried = True
-    return _lib
+    """The int4/int8 kernels' library (built on first use), or None: disabled, or no compiler."""
+    return _LIB.get()
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
