@@ -128,3 +128,30 @@ def test_rope_and_cache_matches_torch_path(dtype, H, KVH, D):
     torch.testing.assert_close(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), qk, **tol)
     torch.testing.assert_close(cache, ref_cache, **tol)
     assert torch.equal(qkv[:, (H + KVH) * D:], v_before)  # V is not rotated
+
+
+@pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 here")
+@pytest.mark.parametrize("name", ["llama-tied-bias", "qwen2-bias", "gemma3", "deepseek-v2", "deepseek-v3"])
+def test_bf16_engine_with_packed_weights_equals_plain_weights(name, tmp_path_factory, monkeypatch):
+    """The engine in bf16 packs every plain linear (not MLA's kv_b_proj, whose weight the model reads) and gives the
+    same greedy tokens as with plain weights (the same oneDNN kernel computes both)."""
+    from test_models import _load_pair
+
+    from pagedllm import LLM, SamplingParams
+
+    hf, _ = _load_pair(name, tmp_path_factory)  # the tiny random HF model (norm weights randomised)
+    folder = str(tmp_path_factory.mktemp(f"bf16-{name}"))
+    hf.save_pretrained(folder)
+    prompt = {"prompt_token_ids": list(range(3, 15))}
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
+              quantization="none")
+    runs = {}
+    for pack in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_PACK_WEIGHTS", pack)
+        llm = LLM(folder, **kw)
+        model = llm.llm_engine.engine_core.runner.model
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert bool(packed) == (pack == "1")
+        runs[pack] = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(runs["1"]) == 8 and runs["1"] == runs["0"]

@@ -7,7 +7,7 @@ calling ``torch.ops.mkldnn._linear_pointwise`` halves the matmul time per decode
 SmolLM2 layer's four matmuls at 32 rows, 820 -> 500 us on one core; see benchmarks/RESULTS.md).
 
 Only exact ``nn.Linear`` modules with bf16 weights on CPU are packed (quantized or tensor-parallel layers have their
-own kernels). The original weight is dropped (the packed copy replaces it), except tied LM heads, whose weight is
+own kernels), except those marked ``keep_weight = True`` because the model reads their ``.weight`` itself. The original weight is dropped (the packed copy replaces it), except tied LM heads, whose weight is
 also the embedding table: those get an extra packed copy. Set ``PAGEDLLM_PACK_WEIGHTS=0`` to keep plain weights.
 """
 
@@ -63,7 +63,9 @@ class PackedLinear(nn.Module):
 def pack_linear_weights(model: nn.Module) -> int:
     """Replaces every exact ``nn.Linear`` of ``model`` by a ``PackedLinear``; a tied LM head (``model.lm_head`` an
     ``nn.Embedding``) gets ``model.lm_head_packed``. Returns the number of layers packed. Call after loading."""
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    # ``keep_weight``: a layer whose ``.weight`` the model reads directly (e.g. MLA's kv_b_proj) stays plain.
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is nn.Linear and not getattr(m, "keep_weight", False)]
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -95,6 +95,7 @@ class DeepseekMLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = skip_init_linear(self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim), False,
                                           dtype)
+        self.kv_b_proj.keep_weight = True  # MLA reads its weight (absorbed W_UK / W_UV): never packed
         self.o_proj = skip_init_linear(H * self.v_head_dim, hidden, bias, dtype)
         self.attn = MLAAttention(H, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                                  self.v_head_dim, mla_softmax_scale(cfg, rope))
