@@ -432,3 +432,20 @@ def test_smollm2_quantized_memory_and_greedy():
         i = next(k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
         assert a.token_ids[i] in b.logprobs[i] and b.token_ids[i] in a.logprobs[i], f"divergence at {i}"
     print(f"greedy identical for {exact}/3 prompts; {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_bf16_chat_answers_like_dense():
+    """Regression: with bf16-rounded per-row scales of the int8 embedding / tied LM head, the quantized model in bf16
+    answered this with gibberish ("L'Etoile, la Marseillaise, ...") while the dense and float32 runs said Paris."""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    quant = LLM(quantization="gguf", **kw)
+    assert quant.llm_engine.engine_core.runner.model.lm_head.scale.dtype == torch.float32
+    got = quant.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
+    want = LLM(quantization="none", **kw).chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in want and got == want

@@ -169,7 +169,9 @@ class QuantEmbedding(nn.Module):
         if isinstance(w, Int8Rows):
             self.kind = "int8"
             self.register_buffer("qweight", w.q.contiguous(), persistent=False)
-            self.register_buffer("scale", w.scale.to(self.dtype), persistent=False)
+            # float32 scales and float32 logits: bf16-rounded row scales shift every vocabulary row's logit by up to
+            # 2^-9 relative, enough to derail greedy chat answers of the bundled SmolLM2 in bf16.
+            self.register_buffer("scale", w.scale.float(), persistent=False)
         else:
             self.kind = "dense"
             self.register_buffer("weight", w.to(self.dtype).contiguous(), persistent=False)
@@ -177,12 +179,12 @@ class QuantEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
         if self.kind == "dense":
             return F.embedding(input_ids, self.weight)
-        return self.qweight[input_ids].to(self.dtype) * self.scale[input_ids, None]
+        return (self.qweight[input_ids].float() * self.scale[input_ids, None]).to(self.dtype)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab]
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] (float32 when int8)
         if self.kind == "dense":
             return F.linear(x, self.weight)
-        return int8_matmul(x, self.qweight, self.scale)
+        return int8_matmul(x.float(), self.qweight, self.scale)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kind == "dense":
