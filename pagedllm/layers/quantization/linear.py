@@ -169,9 +169,12 @@ class QuantEmbedding(nn.Module):
         if isinstance(w, Int8Rows):
             self.kind = "int8"
             self.register_buffer("qweight", w.q.contiguous(), persistent=False)
-            # float32 scales and float32 logits: bf16-rounded row scales shift every vocabulary row's logit by up to
-            # 2^-9 relative, enough to derail greedy chat answers of the bundled SmolLM2 in bf16.
+            # The lookup uses float32 row scales: with bf16-rounded ones (each token's embedding off by up to 2^-9,
+            # the same for every occurrence) the bundled SmolLM2 in bf16 answered greedy chat with gibberish.
             self.register_buffer("scale", w.scale.float(), persistent=False)
+            # Logits: the int8 matmul with unit scales in the activation dtype (aten's int8 op is 12x slower in
+            # float32), then the float32 row scales (bf16-rounded scales derailed greedy answers the same way).
+            self.register_buffer("unit_scale", torch.ones_like(w.scale, dtype=self.dtype), persistent=False)
         else:
             self.kind = "dense"
             self.register_buffer("weight", w.to(self.dtype).contiguous(), persistent=False)
@@ -184,7 +187,7 @@ class QuantEmbedding(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] (float32 when int8)
         if self.kind == "dense":
             return F.linear(x, self.weight)
-        return int8_matmul(x.float(), self.qweight, self.scale)
+        return int8_matmul(x, self.qweight, self.unit_scale).float().mul_(self.scale)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kind == "dense":
