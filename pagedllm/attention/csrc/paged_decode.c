@@ -365,4 +365,3 @@ DEFINE_DECODE_SCALAR(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_DECODE_SCALAR(paged_decode_f32, float, f32_id, f32_id)
 #endif
 
-int paged_decode_max_group(void) { return 64; }
