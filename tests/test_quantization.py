@@ -112,6 +112,31 @@ def test_int4_torch_paths_without_c_kernel(monkeypatch, dtype):
     _check(layer, w.dequantize(), 128)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_embedding_logits_equal_dequantized(dtype):
+    """The tied int8 LM head: float32 logits on the decode kernel (<= INT8_LOGITS_MAX_TOKENS rows) and on the
+    batched path, vs x @ dequant(W).T in float64; the lookup returns the dequantized rows."""
+    from pagedllm.layers.quantization import QuantEmbedding
+    from pagedllm.layers.quantization.kernels import INT8_LOGITS_MAX_TOKENS
+
+    n, k = 1000, 96
+    emb = QuantEmbedding(n, k, dtype, QuantConfig("gguf"))
+    emb.load_shard(0, "weight", _gguf_weight(Q.Q8_0, n, k))
+    emb.process_weights_after_loading()
+    assert emb.kind == "int8"
+    ref_w = emb.qweight.double() * emb.scale.double()[:, None]
+    torch.manual_seed(2)
+    for t in (1, 3, INT8_LOGITS_MAX_TOKENS, INT8_LOGITS_MAX_TOKENS + 9):
+        x = torch.randn(t, k, dtype=dtype)
+        got = emb.logits(x)
+        assert got.dtype == torch.float32 and got.shape == (t, n)
+        ref = x.double() @ ref_w.t()
+        tol = 1e-5 if dtype == torch.float32 or t <= INT8_LOGITS_MAX_TOKENS else 1e-2  # fallback rounds to bf16
+        assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < tol, t
+    ids = torch.tensor([0, 7, n - 1])
+    torch.testing.assert_close(emb(ids).double(), ref_w[ids].to(dtype).double())
+
+
 def test_gguf_fused_shards_stack_in_order():
     sizes = (64, 32, 32)
     ws = [_gguf_weight(Q.Q4_1, s, 128, seed=i) for i, s in enumerate(sizes)]

@@ -20,7 +20,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.int4_expand.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.int8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.int8_logits.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.int4_gemm.restype = lib.int4_expand.restype = lib.int8_gemm.restype = None
+    lib.int8_logits.restype = None
 
 
 _LIB = CLibrary("int4_cpu", [_SRC], _FLAGS, _declare)
@@ -39,6 +41,17 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Ten
     out = torch.empty(m, n_out, dtype=x.dtype)
     lib.int4_gemm(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size,
                   packed.shape[0], n_out, out.data_ptr(), int(x.dtype == torch.bfloat16))
+    return out
+
+
+def int8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` (bf16 / float32, contiguous; K % 16 == 0) @ (q * scale[:, None]).T -> float32 ``[M, N]``, with
+    ``scale [N]`` float32 applied to the float32 sums."""
+    lib = get_lib()
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=torch.float32)
+    lib.int8_logits(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), q.shape[0], out.data_ptr(),
+                    int(x.dtype == torch.bfloat16))
     return out
 
 

@@ -183,6 +183,21 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     return y
 
 
+INT8_LOGITS_MAX_TOKENS = 32  # int8_logits re-converts each weight tile per 4 rows: from 64 rows the tiled gemm wins
+
+
+def int8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, unit_scale: torch.Tensor) -> torch.Tensor:
+    """Logits of a per-row int8 LM head: ``x [T, K] @ (q * scale[:, None]).T -> [T, N]`` float32, ``scale [N]``
+    float32 applied to float32 sums. ``unit_scale``: ones in x's dtype, for the int8 matmul of the fallback path
+    (aten's int8 op is 12x slower in float32, so it runs in the activation dtype with unit scales)."""
+    from pagedllm.layers.quantization import cpu_kernels
+
+    if (x.shape[0] <= INT8_LOGITS_MAX_TOKENS and x.shape[1] % 16 == 0 and x.dtype in (torch.bfloat16, torch.float32)
+            and cpu_kernels.get_lib() is not None):
+        return cpu_kernels.int8_logits(x.contiguous(), q, scale)
+    return int8_matmul(x, q, unit_scale).float().mul_(scale)
+
+
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [T, K] @ (q * scale[:, None]).T -> [T, N]`` (``scale`` in x's dtype): aten's op below
     ``INT8_GEMM_MIN_TOKENS`` rows, else the C tiled kernel (49152x576 at M=32: aten 44 ms, C 34 ms; M=128: 358 /

@@ -21,6 +21,7 @@ from pagedllm.layers.quantization.kernels import (
     PackedInt4,
     int4_kernel_supports,
     int4_matmul,
+    int8_logits,
     int8_matmul,
 )
 
@@ -187,7 +188,7 @@ class QuantEmbedding(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] (float32 when int8)
         if self.kind == "dense":
             return F.linear(x, self.weight)
-        return int8_matmul(x, self.qweight, self.unit_scale).float().mul_(self.scale)
+        return int8_logits(x, self.qweight, self.scale, self.unit_scale)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kind == "dense":

@@ -196,3 +196,43 @@ void int8_gemm(const void *x, int64_t M, int64_t K, const int8_t *q, const void 
     }
     free(xf);
 }
+
+#ifdef __AVX512F__
+/* Per-row int8 weights as logits: out[M][N] (float32) = scale[n] * sum_k x[m][k] q[n][k], with float32 row scales
+ * and float32 sums (no rounding to the activation dtype before the scale). 4 weight rows x up to 4 activation rows
+ * per register tile; K % 16 == 0. Rows of the weight are read once for every 4 activation rows. */
+void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N, float *out,
+                 int is_bf16) {
+    float *xf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(M * K + 16));
+    for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, i, is_bf16);
+    const int64_t nblk = (N + 15) / 16;
+#pragma omp parallel for schedule(static) if (nblk > 1)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t nend = (blk + 1) * 16 < N ? (blk + 1) * 16 : N;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+            for (int64_t n = blk * 16; n < nend; n += 4) {
+                const int nr = nend - n < 4 ? (int)(nend - n) : 4;
+                __m512 acc[4][4];
+                for (int a = 0; a < 4; a++)
+                    for (int c = 0; c < 4; c++) acc[a][c] = _mm512_setzero_ps();
+                for (int64_t k = 0; k < K; k += 16) {
+                    __m512 w[4];
+                    for (int c = 0; c < 4; c++)
+                        w[c] = c < nr ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128((const __m128i *)(q + (n + c) * K + k))))
+                                      : _mm512_setzero_ps();
+                    for (int a = 0; a < mr; a++) {
+                        const __m512 xv = _mm512_load_ps(xf + (m0 + a) * K + k);
+                        for (int c = 0; c < 4; c++) acc[a][c] = _mm512_fmadd_ps(xv, w[c], acc[a][c]);
+                    }
+                }
+                for (int a = 0; a < mr; a++)
+                    for (int c = 0; c < nr; c++)
+                        out[(m0 + a) * N + n + c] = _mm512_reduce_add_ps(acc[a][c]) * scale[n + c];
+            }
+        }
+    }
+    free(xf);
+}
+#endif
