@@ -99,13 +99,13 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qkv = self.qkv_proj.forward(x)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
         if self.q_norm is None and rope_and_cache(qkv, cos, kv_cache, meta.slot_mapping, self.num_heads,
                                                   self.num_kv_heads, self.head_dim):
             # RoPE applied in place and K/V already in the paged cache (one C pass)
             q, k, v = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size], qkv[:, qk_size:]
-            return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_cached=True))
+            return self.o_proj.forward(self.attn.forward(q, k, v, kv_cache, meta, kv_cached=True))
         qk = qkv[:, :qk_size].view(T, -1, self.head_dim)  # [T, H + KVH, D]
         if self.q_norm is not None:
             H = self.num_heads
@@ -114,7 +114,7 @@ class LlamaAttention(nn.Module):
         q = qk[:, : self.num_heads].flatten(1)  # [T, q_size] (a view)
         k = qk[:, self.num_heads :].flatten(1)  # [T, kv_size]
         v = qkv[:, qk_size:]
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj.forward(self.attn.forward(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -132,12 +132,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)
         act = silu_and_mul(gate_up)  # one C pass on CPU (csrc/cpu_ops.c)
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act)
+        return self.down_proj.forward(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -158,14 +158,16 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Pre-norm block; `residual` carries the stream so each norm also does the preceding add.
+        # Submodules are called through .forward: nn.Module.__call__ costs ~2 us a call, ~300 calls per step
+        # (no hooks are used on these modules).
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm.forward(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm.forward(x, residual)
+        x = self.self_attn.forward(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -248,7 +250,7 @@ class LlamaModel(nn.Module):
         residual = None
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
