@@ -159,18 +159,20 @@ def test_bf16_engine_with_packed_weights_equals_plain_weights(name, tmp_path_fac
     assert len(runs["1"]) == 8 and runs["1"] == runs["0"]
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({}, "3000"),                                   # our default: a short OpenMP spin
-    ({"GOMP_SPINCOUNT": "123"}, "123"),              # the user's value wins
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),           # an explicit wait policy: no spin count set for it
+@pytest.mark.parametrize("command,env,expected", [
+    ("serve", {}, "3000"),                                   # the server: a short OpenMP spin
+    ("generate", {}, None),                                  # offline: libgomp's default
+    ("serve", {"GOMP_SPINCOUNT": "123"}, "123"),              # the user's value wins
+    ("serve", {"OMP_WAIT_POLICY": "ACTIVE"}, None),           # an explicit wait policy: no spin count set for it
 ])
-def test_import_sets_short_openmp_spin_before_torch_loads(env, expected):
-    """``import pagedllm`` sets GOMP_SPINCOUNT before torch (and its libgomp) loads, unless the user chose."""
+def test_serve_sets_short_openmp_spin_before_torch_loads(command, env, expected):
+    """The CLI sets GOMP_SPINCOUNT for ``serve`` before torch (and its libgomp) loads, unless the user chose."""
     import subprocess
     import sys
 
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = "import sys, os, pagedllm; print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))"
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+    code = ("import sys, os; from pagedllm.entrypoints import cli; cli.set_openmp_spin(sys.argv[1]); "
+            "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))")
+    out = subprocess.run([sys.executable, "-c", code, command], env={**base, **env}, capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["False", str(expected)]
