@@ -65,6 +65,8 @@ class ParallelConfig:
     distributed_init_method: Optional[str] = None  # e.g. tcp://10.0.0.1:29500 (default: a free local port)
     nnodes: int = 1
     node_rank: int = 0
+    # Pipeline parallel: micro-batches in flight at once (1: one step at a time, every stage waits for the others).
+    max_in_flight_batches: int = 1
 
     @property
     def world_size(self) -> int:
@@ -147,6 +149,7 @@ class EngineArgs:
     distributed_init_method: Optional[str] = None
     nnodes: int = 1
     node_rank: int = 0
+    max_in_flight_batches: Optional[int] = None  # None: pipeline_parallel_size
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
@@ -165,7 +168,7 @@ class EngineArgs:
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes", "num_gpu_blocks_override", "max_logprobs",
-                     "tensor_parallel_size", "pipeline_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size", "max_in_flight_batches"):
             pos(name)
         pos("nnodes", allow_none=False)
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
@@ -262,5 +265,6 @@ class EngineArgs:
                 distributed_init_method=self.distributed_init_method,
                 nnodes=self.nnodes,
                 node_rank=self.node_rank,
+                max_in_flight_batches=self.max_in_flight_batches or self.pipeline_parallel_size,
             ),
         )
