@@ -85,23 +85,23 @@ class EngineCore:
             EngineDeadError: if a worker has died.
         """
         q = self.batch_queue
-        sched_ = self.scheduler
-        max_reqs = -(-(len(sched_.running) + len(sched_.waiting)) // self.max_in_flight_batches)
+        scheduler = self.scheduler
+        max_reqs = -(-(len(scheduler.running) + len(scheduler.waiting)) // self.max_in_flight_batches)
         while len(q) < self.max_in_flight_batches:
-            sched = sched_.schedule(max(1, max_reqs))
+            sched = scheduler.schedule(max(1, max_reqs))
             if sched.is_empty:
                 if not q:  # nothing in flight: the empty step tells the workers which requests finished
                     self.executor.execute_model(sched)
                     return []
                 # Those ids go out with the next batch instead (the runner drops a finished request's state).
-                sched_.finished_req_ids |= sched.finished_req_ids
+                scheduler.finished_req_ids |= sched.finished_req_ids
                 break
-            sched_.mark_in_flight(sched)
+            scheduler.mark_in_flight(sched)
             q.append((self.executor.execute_model(sched, non_block=True), sched))
             if len(q) > self.num_batches_in_flight_peak:
                 self.num_batches_in_flight_peak = len(q)
         pending, sched = q.popleft()
-        return sched_.update_from_output(sched, pending.result())
+        return scheduler.update_from_output(sched, pending.result())
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting or running, or a batch is still in flight."""

@@ -2,7 +2,10 @@
 
 Control plane: the driver (the engine core's thread, which runs the scheduler once) pickles each
 ``SchedulerOutput`` once and writes it down a pipe to every worker; the output rank (TP rank 0 of the last pipeline
-stage) writes the ``ModelRunnerOutput`` back. Data plane: everything between ranks (all-reduces, logits gathers,
+stage) writes the ``ModelRunnerOutput`` back. With pipeline parallelism the driver may send the next step before
+the last one's output is back (``execute_model(..., non_block=True)`` -> ``PendingOutput``): every rank reads its pipe
+in order, so all stages run the micro-batches in the order sent (their point-to-point sends and receives pair up),
+and the output rank answers in that order. Data plane: everything between ranks (all-reduces, logits gathers,
 pipeline hand-offs, the sampled tokens) goes through ``torch.distributed`` (gloo on CPU).
 
 Failure: the driver waits on the output pipe *and* every worker's process sentinel, so a worker that dies makes
