@@ -305,3 +305,152 @@ def test_hash_chain_values():
     r = Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams())
     kv.update_block_hashes(r)
     assert r.block_hashes == [h1, h2]
+
+
+# ---------------------------------------------------------------------------------------------------- batches in flight
+def run_pipelined(sched, runner, depth=2, max_steps=2000, on_step=None):
+    """Drives ``sched`` the way ``EngineCore.step_with_batch_queue`` does: up to ``depth`` batches in flight, each
+    holding at most ceil(unfinished / depth) requests; the fake runner "executes" a batch when it is sent (stages
+    run batches in order). Checks at every step that no request is in two batches in flight and that no request in
+    flight is preempted. -> (all EngineCoreOutputs, most batches in flight at once)."""
+    queue, outs, peak = [], [], 0
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests() and not queue:
+            break
+        max_reqs = -(-(len(sched.running) + len(sched.waiting)) // depth)
+        while len(queue) < depth:
+            so = sched.schedule(max(1, max_reqs))
+            if so.is_empty:
+                sched.finished_req_ids |= so.finished_req_ids
+                break
+            assert not so.preempted_req_ids & sched.in_flight_req_ids, "a request in flight was preempted"
+            assert not set(so.num_scheduled_tokens) & sched.in_flight_req_ids, "scheduled twice while in flight"
+            assert len(so.num_scheduled_tokens) <= max(1, max_reqs)
+            sched.mark_in_flight(so)
+            queue.append((so, runner(so)))
+            peak = max(peak, len(queue))
+            check_pool_invariants(sched)
+        if not queue:
+            continue
+        so, out = queue.pop(0)
+        outs.extend(sched.update_from_output(so, out))
+        check_pool_invariants(sched)
+        if on_step is not None:
+            on_step(sched, queue)
+    assert not sched.has_unfinished_requests() and not sched.in_flight_req_ids
+    return outs, peak
+
+
+def _tokens(outs):
+    got = {}
+    for o in outs:
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return got
+
+
+def _mixed_requests(s):
+    for i in range(6):  # prompts of 3..43 tokens (chunked by the 32-token budget), 2..12 output tokens
+        s.add_request(req(f"r{i}", 3 + 8 * i, max_tokens=2 + 2 * i, base=10 * i))
+
+
+def test_in_flight_batches_split_requests_and_wait_for_tokens():
+    s = make_sched(budget=32, max_num_seqs=8)
+    s.use_pp = True
+    for i in range(4):
+        s.add_request(req(f"r{i}", 3, max_tokens=3, base=10 * i))
+    r = FakeRunner(s)
+    a = s.schedule(2)
+    s.mark_in_flight(a)
+    b = s.schedule(2)
+    s.mark_in_flight(b)
+    assert list(a.num_scheduled_tokens) == ["r0", "r1"] and list(b.num_scheduled_tokens) == ["r2", "r3"]
+    assert s.schedule(2).is_empty  # every request is in flight: nothing to compute until an output is back
+    s.update_from_output(a, r(a))
+    c = s.schedule(2)
+    assert c.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    # ranks other than the output rank learn the sampled tokens from the next step
+    assert {cr.req_id: cr.new_token_ids for cr in c.scheduled_cached_reqs} == {"r0": [103], "r1": [103]}
+
+
+def test_in_flight_chunks_of_one_prompt_are_sequential():
+    s = make_sched(budget=16)
+    s.use_pp = True
+    s.add_request(req("long", 40, max_tokens=2))
+    r = FakeRunner(s)
+    a = s.schedule()
+    s.mark_in_flight(a)
+    assert a.num_scheduled_tokens == {"long": 16}
+    assert s.schedule().is_empty  # its second chunk waits for the first
+    s.update_from_output(a, r(a))
+    b = s.schedule()
+    assert b.num_scheduled_tokens == {"long": 16}
+    assert b.scheduled_cached_reqs[0].num_computed_tokens == 16 and b.scheduled_cached_reqs[0].new_token_ids == []
+
+
+def test_pipelined_outputs_equal_one_batch_at_a_time():
+    want = {}
+    s = make_sched(budget=32)
+    _mixed_requests(s)
+    want = _tokens(run_all(s, FakeRunner(s)))
+    s = make_sched(budget=32)
+    s.use_pp = True
+    _mixed_requests(s)
+    got, peak = run_pipelined(s, FakeRunner(s))
+    assert _tokens(got) == want and peak == 2 and pool_whole(s)
+
+
+def test_pipelined_preemption_spares_requests_in_flight():
+    # 11 usable blocks of 4 tokens for 4 requests of 8 + 12 tokens (5 blocks each): preemptions, some while the
+    # latest running request is in flight.
+    s = make_sched(num_blocks=12, block_size=4, budget=64, caching=False)
+    s.use_pp = True
+    for i in range(4):
+        s.add_request(req(f"r{i}", 8, max_tokens=12, base=50 * i))
+    outs, peak = run_pipelined(s, FakeRunner(s))
+    assert s.num_preemptions > 0 and peak == 2
+    for i in range(4):  # FakeRunner's token = 100 + position: nothing repeated or lost across preemptions
+        assert _tokens(outs)[f"r{i}"] == list(range(108, 120))
+    assert pool_whole(s)
+
+
+def test_abort_while_in_flight():
+    s = make_sched()
+    s.use_pp = True
+    r = FakeRunner(s)
+    s.add_request(req("a", 5, max_tokens=8))
+    s.add_request(req("b", 5, max_tokens=8))
+    a = s.schedule(1)
+    s.mark_in_flight(a)
+    out_a = r(a)
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # its blocks are free at once
+    check_pool_invariants(s)
+    s.add_request(req("a", 5, max_tokens=8, base=30))  # the id reused before a's batch is back: waits for it
+    b = s.schedule(2)
+    assert "a" not in b.num_scheduled_tokens and "a" in b.finished_req_ids
+    s.mark_in_flight(b)
+    assert s.update_from_output(a, out_a) == []  # the aborted request's output is dropped
+    assert s.requests["a"].num_computed_tokens == 0 and s.requests["a"].status == RequestStatus.WAITING
+    s.update_from_output(b, r(b))
+    c = s.schedule(2)
+    assert "a" in c.num_scheduled_tokens and c.scheduled_new_reqs[0].prompt_token_ids[0] == 30
+
+
+def test_preemption_victim_is_the_latest_request_not_in_flight():
+    # 4 usable blocks of 4 tokens; three 4-token prompts fill one block each. Batches: (r0, r1), then (r2). While r2 is
+    # in flight r0 takes the last block and r1 finds none: the victim is r1 (the latest running request not in
+    # flight), not r2.
+    s = make_sched(num_blocks=5, block_size=4, budget=64, caching=False)
+    s.use_pp = True
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4, max_tokens=4, base=50 * i))
+    first = []
+
+    def on_step(sched, queue):
+        if sched.num_preemptions and not first:
+            first.append([so.num_scheduled_tokens for so, _ in queue])
+
+    outs, peak = run_pipelined(s, FakeRunner(s), on_step=on_step)
+    # after r2's batch came back: in flight is the batch that preempted r1 (scheduled while r2 was in flight)
+    assert first and first[0] == [{"r0": 1}]
+    assert s.requests == {} and peak == 2
+    assert _tokens(outs) == {f"r{i}": [104, 105, 106, 107] for i in range(3)}

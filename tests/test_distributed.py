@@ -7,7 +7,9 @@
 - each rank holds about 1/N of the weights;
 - a killed worker takes the engine down with an ``EngineDeadError`` naming the rank within seconds (also while idle,
   and then the server's ``/health`` answers 503);
-- heads that can't be split raise a clear ValueError before any process starts.
+- heads that can't be split raise a clear ValueError before any process starts;
+- PP=2 with two micro-batches in flight gives the TP=1 tokens (tiny model with chunked prefill and preemption, and
+  SmolLM2), survives an abort of a request whose batch is in flight, and dies cleanly when a worker is killed.
 
 The multi-process tests take seconds each (process start-up): all but one TP run and one killed worker are marked
 ``slow``. float32 throughout: a row-parallel all-reduce sums partial products in another order than one matmul, which is
@@ -200,6 +202,98 @@ def test_worker_killed_mid_generation(tiny_models):
         llm.shutdown()
 
 
+# ---------------------------------------------------------------------------------------------------- micro-batches
+# Pipeline parallel with several micro-batches in flight (EngineCore.step_with_batch_queue): many requests of
+# different prompt and output lengths, so batches interleave, prompts are chunked (16-token budget) and requests
+# finish while another batch is in flight.
+MANY_PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 2) + 1 for j in range(3 + 5 * i)] for i in range(10)]  # 3..48 tokens
+MANY_SP = [SamplingParams(max_tokens=3 + 3 * (i % 4), temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+           for i in range(len(MANY_PROMPTS))]
+IN_FLIGHT_KW = dict(pipeline_parallel_size=2, max_in_flight_batches=2)
+
+
+def _run_many(llm: LLM, prompts=MANY_PROMPTS, sps=MANY_SP) -> list[tuple]:
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def many_tp1(tiny_models):
+    return _run_many(LLM(tiny_models["uneven"], **TINY_KW))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kw", [{}, pytest.param(dict(num_gpu_blocks_override=16), marks=pytest.mark.slow)],
+                         ids=["plain", "preempting"])
+def test_pp_in_flight_micro_batches_equal_tp1(tiny_models, many_tp1, kw):
+    """16 KV blocks ("preempting") can't hold the 10 requests: requests are preempted while batches are in flight."""
+    llm = LLM(tiny_models["uneven"], **IN_FLIGHT_KW, **dict(TINY_KW, **kw))
+    core = llm.llm_engine.engine_core
+    try:
+        assert core.max_in_flight_batches == 2
+        _assert_same(_run_many(llm), many_tp1, "pp=2, 2 batches in flight")
+        assert core.num_batches_in_flight_peak == 2
+        _assert_same(_run_many(llm, MANY_PROMPTS[::-1], MANY_SP[::-1]), many_tp1[::-1], "second run")
+        if kw:
+            assert core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_pp_abort_while_batch_in_flight(tiny_models, many_tp1):
+    llm = LLM(tiny_models["uneven"], **IN_FLIGHT_KW, **TINY_KW)
+    eng = llm.llm_engine
+    core = eng.engine_core
+    try:
+        for i, (p, sp) in enumerate(zip(MANY_PROMPTS, MANY_SP)):
+            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+        eng.step()  # two batches sent, the first one's output applied: the second one is still in flight
+        assert len(core.batch_queue) == 1 and core.scheduler.in_flight_req_ids
+        victim = sorted(core.scheduler.in_flight_req_ids)[0]
+        assert eng.abort_request(victim)[0].outputs[0].finish_reason == "abort"
+        done = {}
+        while eng.has_unfinished_requests():
+            for ro in eng.step():
+                assert ro.request_id != victim
+                if ro.finished:
+                    done[ro.request_id] = ro.outputs[0].token_ids
+        assert not core.batch_queue and not core.scheduler.in_flight_req_ids
+        assert done == {str(i): w[0] for i, w in enumerate(many_tp1) if str(i) != victim}
+        # the workers dropped the aborted request's state; the engine keeps serving, the aborted id included
+        _assert_same(_run_many(llm), many_tp1, "after the abort")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_pp_worker_killed_with_batches_in_flight(tiny_models):
+    llm = LLM(tiny_models["uneven"], **IN_FLIGHT_KW, **TINY_KW)
+    core = llm.llm_engine.engine_core
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    killed_at = []
+
+    def kill_when_in_flight():
+        deadline = time.monotonic() + 60
+        while len(core.batch_queue or ()) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        killed_at.append(time.monotonic())
+        os.kill(core.executor.procs[0].pid, signal.SIGKILL)
+
+    try:
+        threading.Thread(target=kill_when_in_flight, daemon=True).start()
+        with pytest.raises(EngineDeadError, match="rank 0"):
+            for _ in range(50):  # keep stepping until the kill lands
+                llm.generate(MANY_PROMPTS, long, use_tqdm=False)
+        assert time.monotonic() - killed_at[0] < 5.0
+        assert core.num_batches_in_flight_peak == 2
+        _wait_dead(core.executor.procs[1])
+    finally:
+        llm.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------------- real SmolLM2
 REAL_PROMPTS = [
     "The capital of France is",
@@ -238,6 +332,22 @@ def test_smollm2_parallel_equals_tp1(smollm_tp1, tp, pp):
         assert all(0.4 * full_bytes <= b <= 0.6 * full_bytes for b in per_rank), (per_rank, full_bytes)
     else:  # 15 layers each, and both ends need the (tied) 49152 x 576 embedding: ~0.6 each
         assert all(0.5 * full_bytes <= b <= 0.65 * full_bytes for b in per_rank), (per_rank, full_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_smollm2_pp_in_flight_equals_tp1():
+    """8 requests of different prompt lengths and 6..27 output tokens, split over 2 micro-batches in flight."""
+    prompts = REAL_PROMPTS + [p + " and" for p in REAL_PROMPTS]
+    sps = [SamplingParams(max_tokens=6 + 3 * i, temperature=0) for i in range(len(prompts))]
+    want = [o.outputs[0].token_ids for o in LLM(**REAL_KW).generate(prompts, sps, use_tqdm=False)]
+    llm = LLM(**IN_FLIGHT_KW, **REAL_KW)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+        assert llm.llm_engine.engine_core.num_batches_in_flight_peak == 2
+    finally:
+        llm.shutdown()
+    assert got == want
 
 
 def _worker_pids(server_pid: int) -> list[int]:

@@ -23,13 +23,18 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     """A request the runner knows. ``new_block_ids`` are appended to its block table, or replace it when
-    ``resumed_from_preemption`` (then ``all_token_ids`` holds its prompt and output tokens so far)."""
+    ``resumed_from_preemption`` (then ``all_token_ids`` holds its prompt and output tokens so far).
+
+    ``new_token_ids`` (pipeline parallel only: ranks other than the output rank never see sampled tokens): the
+    output tokens among this step's scheduled tokens, i.e. ``all_token_ids[max(num_computed_tokens,
+    num_prompt_tokens):num_computed_tokens + num_scheduled]`` (a decode: the last sampled token)."""
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     resumed_from_preemption: bool = False
     all_token_ids: Optional[list[int]] = None
+    new_token_ids: Optional[list[int]] = None
 
 
 @dataclass

@@ -7,6 +7,14 @@ When a running request can't get a block, the latest running request is preempte
 and it goes back to the head of the waiting queue with ``num_computed_tokens = 0``.
 
 ``update_from_output`` is the only place request state advances. Integers only; no torch.
+
+Pipeline parallelism keeps several batches in flight (``EngineCore.step_with_batch_queue``): a batch is scheduled
+before the outputs of earlier ones are back. A request in a batch in flight (``in_flight_req_ids``) is not scheduled
+again until ``update_from_output`` has seen that batch: a decode needs the token being sampled, and a prompt's next
+chunk waits for the previous one (unlike vLLM, which advances ``num_computed_tokens`` at schedule time, here
+``num_computed_tokens`` still only advances in ``update_from_output``). Requests in flight are never preempted; an
+aborted one is freed at once (its batch still writes to the freed blocks, but every stage runs batches in order, so
+a later batch that reuses them writes after it).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        use_pp: bool = False,
     ) -> None:
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -60,6 +69,11 @@ class Scheduler:
         # Requests the runner has state for (scheduled at least once and not finished).
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
+        # Pipeline parallel: ranks other than the output rank never see sampled tokens; each step carries them
+        # (``CachedRequestData.new_token_ids``).
+        self.use_pp = use_pp
+        # Requests in a scheduled batch whose output update_from_output hasn't seen (several batches in flight).
+        self.in_flight_req_ids: set[str] = set()
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, request: Request) -> None:
@@ -98,8 +112,12 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_scheduled_reqs: Optional[int] = None) -> SchedulerOutput:
+        """The next batch: at most ``max_num_scheduled_reqs`` requests (default ``max_num_seqs``; a pipeline splits
+        the running requests over its micro-batches this way), none of them in ``in_flight_req_ids``."""
         budget = self.max_num_batched_tokens
+        max_reqs = max_num_scheduled_reqs or self.max_num_seqs
+        in_flight = self.in_flight_req_ids
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -111,14 +129,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
             while True:
                 new_blocks = self.kv.allocate_slots(req, n)
                 if new_blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = self.running.pop() if not in_flight else self._pop_victim_not_in_flight()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
@@ -128,14 +146,20 @@ class Scheduler:
             scheduled_running.append(req)
             num_scheduled[req.request_id] = n
             cached_reqs.append(CachedRequestData(
-                req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens))
+                req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens,
+                new_token_ids=self._new_token_ids(req, n) if self.use_pp else None))
             budget -= n
             i += 1
+            if len(num_scheduled) >= max_reqs:
+                break
 
         # 2. Waiting requests, FCFS (not in a step that had to preempt: memory is short).
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+                   and len(num_scheduled) < max_reqs):
                 req = self.waiting[0]
+                if in_flight and req.request_id in in_flight:
+                    break  # an aborted request's id, reused before its last batch came back
                 resumed = req.status == RequestStatus.PREEMPTED
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 n = req.num_tokens - num_hit
@@ -180,6 +204,23 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
+    def _pop_victim_not_in_flight(self) -> Request:
+        """The latest running request that isn't in a batch in flight (the one being scheduled is a candidate, so
+        one is always found)."""
+        for j in range(len(self.running) - 1, -1, -1):
+            if self.running[j].request_id not in self.in_flight_req_ids:
+                return self.running.pop(j)
+        raise AssertionError("every running request is in flight, including the one being scheduled")
+
+    def _new_token_ids(self, req: Request, n: int) -> list[int]:
+        """Output tokens among the ``n`` scheduled from ``num_computed_tokens`` on (a decode: its last sampled
+        token; a prompt chunk: none)."""
+        return req.all_token_ids[max(req.num_computed_tokens, req.num_prompt_tokens):req.num_computed_tokens + n]
+
+    def mark_in_flight(self, sched: SchedulerOutput) -> None:
+        """Records that ``sched`` went to the executor without waiting for its output."""
+        self.in_flight_req_ids.update(sched.num_scheduled_tokens)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -191,6 +232,8 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advances every scheduled request by its scheduled tokens, appends sampled tokens and checks stops."""
+        if self.in_flight_req_ids:
+            self.in_flight_req_ids.difference_update(sched.num_scheduled_tokens)
         outputs: list[EngineCoreOutput] = []
         index = {rid: i for i, rid in enumerate(out.req_ids)}
         finished: list[Request] = []

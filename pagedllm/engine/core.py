@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Iterable, Optional
 
 from pagedllm.config import EngineConfig
@@ -44,8 +45,20 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, group_windows)
         sc = config.scheduler
+        pc = config.parallel
         self.scheduler = Scheduler(self.kv_cache_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   sc.max_model_len, sc.enable_chunked_prefill)
+                                   sc.max_model_len, sc.enable_chunked_prefill,
+                                   use_pp=pc.pipeline_parallel_size > 1)
+        # Pipeline parallel (vLLM's batch queue): up to max_in_flight_batches micro-batches in flight, so stage 0
+        # runs batch k+1 while stage 1 runs batch k. The external launcher runs every rank's engine in lock step.
+        self.batch_queue: Optional[deque] = None
+        self.max_in_flight_batches = 1
+        self.num_batches_in_flight_peak = 0  # the most batches ever in flight at once (a stat for tests/benchmarks)
+        if (pc.pipeline_parallel_size > 1 and pc.max_in_flight_batches > 1
+                and pc.distributed_executor_backend == "mp"):
+            self.max_in_flight_batches = pc.max_in_flight_batches
+            self.batch_queue = deque()
+            self.step = self.step_with_batch_queue
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -61,8 +74,38 @@ class EngineCore:
             return []
         return self.scheduler.update_from_output(sched, out)
 
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """``step`` with several batches in flight: schedules and sends batches until ``max_in_flight_batches``
+        are in flight or nothing is left to schedule, then waits for the oldest one's output and applies it.
+
+        The running requests are split evenly over the micro-batches (at most ``ceil(unfinished / max in
+        flight)`` each): one batch of all of them would leave every other stage idle.
+
+        Raises:
+            EngineDeadError: if a worker has died.
+        """
+        q = self.batch_queue
+        scheduler = self.scheduler
+        max_reqs = -(-(len(scheduler.running) + len(scheduler.waiting)) // self.max_in_flight_batches)
+        while len(q) < self.max_in_flight_batches:
+            sched = scheduler.schedule(max(1, max_reqs))
+            if sched.is_empty:
+                if not q:  # nothing in flight: the empty step tells the workers which requests finished
+                    self.executor.execute_model(sched)
+                    return []
+                # Those ids go out with the next batch instead (the runner drops a finished request's state).
+                scheduler.finished_req_ids |= sched.finished_req_ids
+                break
+            scheduler.mark_in_flight(sched)
+            q.append((self.executor.execute_model(sched, non_block=True), sched))
+            if len(q) > self.num_batches_in_flight_peak:
+                self.num_batches_in_flight_peak = len(q)
+        pending, sched = q.popleft()
+        return scheduler.update_from_output(sched, pending.result())
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is waiting or running, or a batch is still in flight."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

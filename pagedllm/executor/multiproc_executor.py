@@ -2,7 +2,10 @@
 
 Control plane: the driver (the engine core's thread, which runs the scheduler once) pickles each
 ``SchedulerOutput`` once and writes it down a pipe to every worker; the output rank (TP rank 0 of the last pipeline
-stage) writes the ``ModelRunnerOutput`` back. Data plane: everything between ranks (all-reduces, logits gathers,
+stage) writes the ``ModelRunnerOutput`` back. With pipeline parallelism the driver may send the next step before
+the last one's output is back (``execute_model(..., non_block=True)`` -> ``PendingOutput``): every rank reads its pipe
+in order, so all stages run the micro-batches in the order sent (their point-to-point sends and receives pair up),
+and the output rank answers in that order. Data plane: everything between ranks (all-reduces, logits gathers,
 pipeline hand-offs, the sampled tokens) goes through ``torch.distributed`` (gloo on CPU).
 
 Failure: the driver waits on the output pipe *and* every worker's process sentinel, so a worker that dies makes
@@ -21,6 +24,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from multiprocessing.connection import wait
 from typing import Callable, Optional
 
@@ -86,6 +90,28 @@ def _kill(procs) -> None:
             p.join(1)
 
 
+class PendingOutput:
+    """The ``ModelRunnerOutput`` of a step sent without waiting (vLLM returns a Future here; a future's thread
+    would be one more runnable thread on a machine whose cores the ranks already use)."""
+
+    __slots__ = ("_executor", "_output", "_done")
+
+    def __init__(self, executor: "MultiprocExecutor") -> None:
+        self._executor = executor
+        self._output = None
+        self._done = False
+
+    def result(self):
+        """Blocks until the output rank has answered this step (and every step sent before it).
+
+        Raises:
+            EngineDeadError: if a worker dies meanwhile.
+        """
+        if not self._done:
+            self._executor._receive_until(self)
+        return self._output
+
+
 class MultiprocExecutor:
     """Looks like a ``ModelRunner`` to ``EngineCore`` (``execute_model``), plus the agreed KV block count."""
 
@@ -104,6 +130,7 @@ class MultiprocExecutor:
         self._dead = None  # EngineDeadError once a worker has died
         self._stopping = False
         self._death_callbacks: list[Callable] = []
+        self._pending: deque[PendingOutput] = deque()  # steps sent with non_block whose output isn't received
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, args=(config, rank, self.world_size, init_method, child,
@@ -136,12 +163,31 @@ class MultiprocExecutor:
         self._monitor.start()
 
     # ------------------------------------------------------------------ calls
-    def execute_model(self, scheduler_output):
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        """Runs one step on every rank -> its ``ModelRunnerOutput``, or with ``non_block`` a ``PendingOutput`` at
+        once (pipeline parallelism: the next micro-batch is sent before this one's output is back).
+
+        Raises:
+            EngineDeadError: if a worker has died (also from ``PendingOutput.result()``).
+        """
         self._send_all(("execute_model", (scheduler_output,)))
-        return self._recv(self.output_rank)
+        if not non_block:
+            return self._recv(self.output_rank)
+        pending = PendingOutput(self)
+        self._pending.append(pending)
+        return pending
+
+    def _receive_until(self, pending: "PendingOutput") -> None:
+        """The output rank answers steps in the order they were sent: receives outputs up to ``pending``'s."""
+        while not pending._done:
+            first = self._pending.popleft()
+            first._output = self._recv(self.output_rank)
+            first._done = True
 
     def collective_rpc(self, method: str, *args) -> list:
-        """Calls ``Worker.method(*args)`` on every rank; their results in rank order."""
+        """Calls ``Worker.method(*args)`` on every rank; their results in rank order (after pending steps)."""
+        if self._pending:
+            self._receive_until(self._pending[-1])
         self._send_all((method, args))
         return [self._recv(r) for r in range(self.world_size)]
 

@@ -157,6 +157,13 @@ class ModelRunner:
                     st.sampler_state.output_token_ids[:] = st.token_ids[len(st.prompt_token_ids):]
             else:
                 st.block_ids.extend(cr.new_block_ids)
+                new_ids = cr.new_token_ids
+                if new_ids:  # pipeline parallel: tokens sampled on the output rank (which has them already)
+                    missing = (max(cr.num_computed_tokens, len(st.prompt_token_ids)) + len(new_ids)
+                               - len(st.token_ids))
+                    if missing > 0:
+                        st.token_ids.extend(new_ids[-missing:])
+                        st.sampler_state.output_token_ids.extend(new_ids[-missing:])
                 if group_ids:
                     for table, ids in zip(st.group_block_ids, group_ids):
                         table.extend(ids)
@@ -218,15 +225,15 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, last_idx))
             rows = [states[i].sampler_state for i in sample_rows]
             md = SamplingMetadata.build(rows, self.vocab_size, self.device)
-            so = self.sampler(logits, md)
-            sampled = so.sampled_token_ids.tolist()
-            for j, i in enumerate(sample_rows):
+            so = self.sampler(logits, md)  # None on a pipeline rank that doesn't sample (see worker.py)
+            sampled = so.sampled_token_ids.tolist() if so is not None else ()
+            for j, tok in enumerate(sampled):
+                i = sample_rows[j]
                 st = states[i]
-                tok = sampled[j]
                 sampled_lists[i] = [tok]
                 st.token_ids.append(tok)
                 st.sampler_state.output_token_ids.append(tok)
-            if so.logprobs is not None:
+            if so is not None and so.logprobs is not None:
                 lp = so.logprobs
                 tid = lp.token_ids.tolist()
                 lps = lp.logprobs.tolist()

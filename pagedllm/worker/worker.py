@@ -2,8 +2,10 @@
 and allocates its part of the KV cache and runs the unchanged ``ModelRunner`` step on it.
 
 The runner sees a ``ParallelModel`` (this stage's layers, point-to-point hand-off of hidden states between stages,
-logits gathered over the TP group) and a ``BroadcastSampler`` (the output rank samples; every rank gets its tokens,
-so each rank's copy of the request state advances identically).
+logits gathered over the TP group) and a sampler: without pipeline stages a ``BroadcastSampler`` (the output rank
+samples; every rank gets its tokens, so each rank's copy of the request state advances identically); with them a
+``LastStageSampler`` (only the output rank samples; the scheduler sends the other ranks the tokens with the next
+step, so no stage waits for the last one and several micro-batches can be in flight).
 """
 
 from __future__ import annotations
@@ -91,6 +93,19 @@ class ParallelModel(nn.Module):
         return gather_logits(local, self.vocab_size)
 
 
+class LastStageSampler:
+    """Pipeline parallel: the output rank samples; every other rank gets None. No collective, so earlier stages can
+    run the next micro-batch while the last one samples; the tokens reach them with the next ``SchedulerOutput``
+    (``CachedRequestData.new_token_ids``)."""
+
+    def __init__(self, sampler, groups: ps.ParallelGroups) -> None:
+        self.sampler = sampler
+        self.is_output_rank = groups.rank == groups.output_rank
+
+    def __call__(self, logits, metadata):
+        return self.sampler(logits, metadata) if self.is_output_rank else None
+
+
 class BroadcastSampler:
     """The output rank samples; the result (tokens and logprobs) is broadcast to every rank."""
 
@@ -151,7 +166,8 @@ class Worker:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         self.num_blocks = int(t.item())
         self.runner = ModelRunner(config, ParallelModel(model, self.groups), self.num_blocks, layout=layout)
-        self.runner.sampler = BroadcastSampler(self.runner.sampler, self.groups)
+        sampler_cls = LastStageSampler if self.groups.pp_size > 1 else BroadcastSampler
+        self.runner.sampler = sampler_cls(self.runner.sampler, self.groups)
         self.layout = layout
 
     def info(self) -> WorkerInfo:
