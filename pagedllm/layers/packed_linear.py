@@ -7,8 +7,9 @@ calling ``torch.ops.mkldnn._linear_pointwise`` halves the matmul time per decode
 SmolLM2 layer's four matmuls at 32 rows, 820 -> 500 us on one core; see benchmarks/RESULTS.md).
 
 Only exact ``nn.Linear`` modules with bf16 weights on CPU are packed (quantized or tensor-parallel layers have their
-own kernels), except those marked ``keep_weight = True`` because the model reads their ``.weight`` itself. The original weight is dropped (the packed copy replaces it), except tied LM heads, whose weight is
-also the embedding table: those get an extra packed copy. Set ``PAGEDLLM_PACK_WEIGHTS=0`` to keep plain weights.
+own kernels), except those marked ``keep_weight = True`` because the model reads their ``.weight`` itself. The
+original weight is dropped (the packed copy replaces it), except tied LM heads, whose weight is also the embedding
+table: those get an extra packed copy. Set ``PAGEDLLM_PACK_WEIGHTS=0`` to keep plain weights.
 """
 
 from __future__ import annotations

@@ -47,12 +47,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Ten
 def int8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` (bf16 / float32, contiguous; K % 16 == 0) @ (q * scale[:, None]).T -> float32 ``[M, N]``, with
     ``scale [N]`` float32 applied to the float32 sums."""
-    lib = get_lib()
-    m, k = x.shape
-    out = torch.empty(m, q.shape[0], dtype=torch.float32)
-    lib.int8_logits(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), q.shape[0], out.data_ptr(),
-                    int(x.dtype == torch.bfloat16))
-    return out
+    return _int8_call(get_lib().int8_logits, x, q, scale, torch.float32)
 
 
 def int4_expand(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
@@ -68,9 +63,12 @@ def int4_expand(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size
 
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` (bf16 / float32, contiguous) @ (q * scale[:, None]).T -> ``[M, N]``."""
-    lib = get_lib()
+    return _int8_call(get_lib().int8_gemm, x, q, scale, x.dtype)
+
+
+def _int8_call(fn, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Calls one of the per-row int8 kernels (same C signature: x, M, K, q, scale, N, out, is_bf16)."""
     m, k = x.shape
-    out = torch.empty(m, q.shape[0], dtype=x.dtype)
-    lib.int8_gemm(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), q.shape[0], out.data_ptr(),
-                  int(x.dtype == torch.bfloat16))
+    out = torch.empty(m, q.shape[0], dtype=out_dtype)
+    fn(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), q.shape[0], out.data_ptr(), int(x.dtype == torch.bfloat16))
     return out
