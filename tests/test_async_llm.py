@@ -262,6 +262,38 @@ def test_http_api_key():
     llm.shutdown()
 
 
+def test_engine_factory_runs_in_the_engine_thread():
+    """Given a function, AsyncLLM builds the engine in the thread that steps it (one OpenMP pool: see the module
+    note), serves with it, and raises the function's error from the constructor."""
+    built_in, stepped_in = [], set()
+
+    class RecordingEngine(FakeEngine):
+        def step(self):
+            stepped_in.add(threading.current_thread().name)
+            return super().step()
+
+    def factory():
+        built_in.append(threading.current_thread().name)
+        return RecordingEngine()
+
+    llm = AsyncLLM(factory)
+    assert isinstance(llm.engine, RecordingEngine) and llm.num_kv_blocks == 8
+
+    async def main():
+        return [o async for o in llm.generate("abc", _params(max_tokens=3), "r1")]
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 3
+    llm.shutdown()
+    assert built_in == ["pagedllm-engine"] and stepped_in == {"pagedllm-engine"}
+
+    def broken():
+        raise ValueError("bad model folder")
+
+    with pytest.raises(ValueError, match="bad model folder"):
+        AsyncLLM(broken)
+
+
 # ---------------------------------------------------------------------------------------------------- real model
 @pytest.mark.slow
 @pytest.mark.timeout(600)

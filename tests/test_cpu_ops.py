@@ -160,12 +160,12 @@ def test_bf16_engine_with_packed_weights_equals_plain_weights(name, tmp_path_fac
 
 
 @pytest.mark.parametrize("command,env,expected", [
-    ("serve", {}, "3000"),                                   # the server: a short OpenMP spin
+    ("serve", {}, "30000"),                                  # the server: a bounded OpenMP spin
     ("generate", {}, None),                                  # offline: libgomp's default
     ("serve", {"GOMP_SPINCOUNT": "123"}, "123"),              # the user's value wins
     ("serve", {"OMP_WAIT_POLICY": "ACTIVE"}, None),           # an explicit wait policy: no spin count set for it
 ])
-def test_serve_sets_short_openmp_spin_before_torch_loads(command, env, expected):
+def test_serve_sets_bounded_openmp_spin_before_torch_loads(command, env, expected):
     """The CLI sets GOMP_SPINCOUNT for ``serve`` before torch (and its libgomp) loads, unless the user chose."""
     import subprocess
     import sys

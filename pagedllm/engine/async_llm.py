@@ -21,10 +21,13 @@ The engine always runs requests in DELTA mode, whatever the caller asked: the co
 that is behind (a slow client gets fewer, larger chunks instead of a backlog) and for FINAL_ONLY callers delivers
 only the merged final output. This also lets the metrics see every token's arrival for every request.
 
-Note on torch threads: with libgomp's default (active) wait policy, torch ops issued from the *main* thread of a
-process spin in OpenMP barriers; on a CPU shared with other work that made decode steps 6x slower (and burned 6x the
-CPU) than the same steps issued from a non-main thread, or from the main thread with ``OMP_WAIT_POLICY=PASSIVE``.
-Both modes therefore step the engine from a non-main thread.
+Note on torch threads: the thread that steps the engine also builds it (model load included), in both modes. libgomp
+keeps one OpenMP thread pool per thread that starts parallel regions, and once it manages more threads than there
+are CPUs it cuts every worker's spin-wait to a "throttled" count. A pool left in the main thread by loading the model
+there (2 masters + 2 workers on this 2-core machine) made every decode step of the engine thread wait for sleeping
+workers: SmolLM2 int4, batch 1, step median 18.4-19.2 ms, vs 11.6-13.2 ms with the engine built in its stepping
+thread and 11.3-12.0 ms offline (one quiet period, interleaved runs). ``pagedllm serve``
+bounds the spin itself (``GOMP_SPINCOUNT``, see ``entrypoints/cli.py``) for the cores it shares with its clients.
 """
 
 from __future__ import annotations
@@ -161,18 +164,26 @@ def _engine_loop(engine: LLMEngine, get_inbox: Callable[[bool, float], Optional[
 class _ThreadBackend:
     """The engine loop in a thread of this process; the inbox is a list guarded by a Condition."""
 
-    def __init__(self, engine: LLMEngine, on_message: Callable[[tuple], None],
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], on_message: Callable[[tuple], None],
                  on_dead: Callable[[EngineDeadError], None]) -> None:
-        self.engine = engine
-        self.num_kv_blocks = engine.engine_core.num_blocks
+        """``engine``: an engine, or a function that builds one; it is then called in the engine thread (see the
+        module note on torch threads) and its exception, if any, is raised here."""
         self._cond = threading.Condition()
         self._inbox: list[tuple] = []
         self._stopping = False
         self._on_message = on_message
         self._on_dead = on_dead
-        self.thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: Optional[BaseException] = None
+        factory = engine if callable(engine) and not hasattr(engine, "step") else None
+        self.engine = None if factory is not None else engine
+        self.thread = threading.Thread(target=self._run, args=(factory,), name="pagedllm-engine", daemon=True)
         self.thread.start()
-        executor = getattr(engine.engine_core, "executor", None)
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
+        self.num_kv_blocks = self.engine.engine_core.num_blocks
+        executor = getattr(self.engine.engine_core, "executor", None)
         if executor is not None:  # a worker process that dies while the engine is idle is reported at once
             executor.on_death(on_dead)
 
@@ -193,7 +204,16 @@ class _ThreadBackend:
             inbox, self._inbox = self._inbox, []
             return inbox
 
-    def _run(self) -> None:
+    def _run(self, factory: Optional[Callable[[], LLMEngine]]) -> None:
+        if factory is not None:
+            try:
+                self.engine = factory()
+            except BaseException as e:  # noqa: BLE001 - raised in the constructor's thread
+                self._build_error = e
+                return
+            finally:
+                self._built.set()
+        self._built.set()
         try:
             _engine_loop(self.engine, self._get_inbox, self._on_message)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine; tell everyone
@@ -219,23 +239,14 @@ class _ThreadBackend:
 
 
 def _engine_process_main(config, requests, replies) -> None:
-    """Child process: builds the engine from ``config`` and runs the loop over two pipes."""
+    """Child process: builds the engine from ``config`` and runs the loop over two pipes, both in one non-main
+    thread (see the module note on torch threads)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        engine = LLMEngine(config)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        replies.send(("failed", f"{type(e).__name__}: {e}"))
-        return
     send_lock = threading.Lock()
 
     def send(msg: tuple) -> None:
         with send_lock:
             replies.send(msg)
-
-    send(("ready", engine.engine_core.num_blocks))
-    executor = engine.engine_core.executor
-    if executor is not None:  # a dead worker (also while idle) takes the engine down
-        executor.on_death(lambda err: send(("dead", str(err))))
 
     def get_inbox(block: bool, timeout: float) -> Optional[list]:
         items = []
@@ -251,6 +262,15 @@ def _engine_process_main(config, requests, replies) -> None:
 
     def run() -> None:
         try:
+            engine = LLMEngine(config)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+            replies.send(("failed", f"{type(e).__name__}: {e}"))
+            return
+        send(("ready", engine.engine_core.num_blocks))
+        executor = engine.engine_core.executor
+        if executor is not None:  # a dead worker (also while idle) takes the engine down
+            executor.on_death(lambda err: send(("dead", str(err))))
+        try:
             _engine_loop(engine, get_inbox, send)
         except EOFError:
             return  # the parent is gone
@@ -261,9 +281,6 @@ def _engine_process_main(config, requests, replies) -> None:
             except OSError:
                 pass
 
-    # The loop runs in a non-main thread, as in thread mode: torch's OpenMP intra-op pool behaves differently when
-    # driven from the main thread (see the note in the module docstring), and the two modes should differ only in
-    # where the loop lives.
     t = threading.Thread(target=run, name="pagedllm-engine")
     t.start()
     t.join()
@@ -350,24 +367,18 @@ class AsyncLLM:
     """Async front of an ``LLMEngine`` whose loop runs beside the event loop.
 
     Args:
-        engine: run this ``LLMEngine`` in a background thread (from now on only that thread may mutate it).
+        engine: run this ``LLMEngine`` in a background thread (from now on only that thread may mutate it), or a
+            function that builds one, called in that thread (faster steps: see the module note on torch threads).
         log_stats: keep Prometheus metrics (``self.metrics``, an ``EngineMetrics`` with its own registry).
         config: instead of ``engine``: an ``EngineConfig``; the engine is built and run in a child process.
     """
 
-    def __init__(self, engine: Optional[LLMEngine] = None, log_stats: bool = True, *, config=None) -> None:
+    def __init__(self, engine: Optional[LLMEngine | Callable[[], LLMEngine]] = None, log_stats: bool = True, *,
+                 config=None) -> None:
         if (engine is None) == (config is None):
             raise ValueError("give either engine (thread mode) or config (process mode)")
-        self.engine = engine if engine is not None else _Frontend(config)
-        self.config = self.engine.config
-        self.tokenizer = self.engine.tokenizer
         self.engine_mode = "thread" if engine is not None else "process"
-        self.metrics = None
-        if log_stats:
-            from pagedllm.metrics import EngineMetrics
-
-            mc = self.config.model
-            self.metrics = EngineMetrics(mc.served_model_name, mc.max_model_len)
+        self.metrics = None  # set below, once the config is known (no request can arrive before that)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -375,8 +386,17 @@ class AsyncLLM:
         self._dead: Optional[EngineDeadError] = None
         if engine is not None:
             self._backend = _ThreadBackend(engine, self._on_engine, self._on_dead)
+            self.engine = self._backend.engine
         else:
             self._backend = _ProcessBackend(config, self._on_engine, self._on_dead)
+            self.engine = _Frontend(config)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        if log_stats:
+            from pagedllm.metrics import EngineMetrics
+
+            mc = self.config.model
+            self.metrics = EngineMetrics(mc.served_model_name, mc.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args, log_stats: bool = True, engine_mode: str = "thread") -> "AsyncLLM":
@@ -385,7 +405,7 @@ class AsyncLLM:
             return cls(config=args.create_engine_config(), log_stats=log_stats)
         if engine_mode != "thread":
             raise ValueError(f"engine_mode must be 'thread' or 'process', got {engine_mode!r}.")
-        return cls(LLMEngine.from_engine_args(args), log_stats=log_stats)
+        return cls(lambda: LLMEngine.from_engine_args(args), log_stats=log_stats)
 
     # ------------------------------------------------------------------ state
     @property

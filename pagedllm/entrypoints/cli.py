@@ -140,15 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # OpenMP threads (torch's libgomp, shared by our C kernels) wait at the end of every parallel region. libgomp's
-# default spins 300,000 `pause`s (~6 ms here) before sleeping: best when the engine owns the cores (offline), but a
-# server shares them with its event loop and its clients, and a thread that loses its core then holds every region
-# up until the scheduler's next tick (with one other busy process on these 2 cores: a 32x576x3072 bf16 linear 7.7 ms
-# instead of 0.35 ms, our attention kernel 11.8 instead of 0.4 ms). `serve` therefore spins 3,000 (~60 us): 16
-# concurrent chat streams, interleaved runs: 236 / 226 vs 219 / 219 output tok/s, P99 ITL 81 / 82 vs 128 / 84 ms.
-# Offline at batch 1 the long spin is faster (wakeups of an idle vCPU are slow), so it is left alone there.
+# default spins 300,000 `pause`s (~6 ms here) before sleeping. A thread that loses its core while it spins holds
+# every region up until the scheduler's next tick (one other busy process on these 2 cores: a 32x576x3072 bf16
+# linear 7.7 ms instead of 0.35 ms), and a server shares its cores with its event loop and clients; a spin shorter
+# than the gaps between regions inside a step makes every region wake a sleeping worker instead. `serve` spins
+# 30,000 (~0.6 ms), longer than those gaps, bounded when the engine idles. Measured with the engine built in its
+# stepping thread (engine/async_llm.py), interleaved runs: 16 concurrent chat streams (bf16) 340 / 293 output tok/s
+# vs 327 / 312 with the default spin and 285 / 289 with 3,000; int4 single stream TPOT 14.4 / 14.0 ms vs 17.5 / 12.8
+# (default) and 16.6 / 18.2 (3,000). Offline runs keep libgomp's default.
 # libgomp reads it once, when torch is imported: set here, before that; your own GOMP_SPINCOUNT or
 # OMP_WAIT_POLICY wins.
-SERVE_GOMP_SPINCOUNT = "3000"
+SERVE_GOMP_SPINCOUNT = "30000"
 
 
 def set_openmp_spin(command: str) -> None:
