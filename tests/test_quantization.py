@@ -112,6 +112,39 @@ def test_int4_torch_paths_without_c_kernel(monkeypatch, dtype):
     _check(layer, w.dequantize(), 128)
 
 
+@pytest.mark.parametrize("n,k,group", [(37, 160, 32), (130, 256, 64), (64, 512, 128), (200, 512, 256)])
+def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
+    """The integer-dot decode kernel (bf16 rows <= INT4_GEMV_MAX_TOKENS) vs float64 over the same int4 weight: within
+    the bf16 rounding of the output plus the 15-bit activation rounding (2^-15 of a group's largest |x|), also for
+    rows whose values span six orders of magnitude; and int4_matmul sends those rows to it."""
+    from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
+
+    if not cpu_kernels.int4_gemv_supported():
+        pytest.skip("CPU without AVX512-VNNI/VBMI/BF16: int4_matmul uses aten's op")
+    torch.manual_seed(n)
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(n, k), group), torch.bfloat16)
+    kg = int(pk["kernel_group"])
+    w = K.PackedInt4.expand(pk["packed"], pk["scales_and_zeros"], kg, torch.float32)[:n].double()
+    calls = []
+    real = cpu_kernels.int4_gemv_bf16
+    monkeypatch.setattr(cpu_kernels, "int4_gemv_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (1, 2, 3, 5, K.INT4_GEMV_MAX_TOKENS):
+        x = torch.randn(m, k)
+        x[0] *= torch.logspace(-3, 3, k)[torch.randperm(k)]  # a row with a wide range inside each group
+        x = x.bfloat16()
+        got = K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], kg, n).double()
+        ref = x.double() @ w.t()
+        amax = x.double().abs().view(m, k // group, group).amax(-1).repeat_interleave(group, 1)  # [m, k]
+        slack = 2.0**-15 * amax @ w.abs().t()
+        assert got.shape == (m, n)
+        assert ((got - ref).abs() <= ref.abs() * 2.0**-8 + slack + 1e-30).all(), m
+    assert calls == [1, 2, 3, 5, K.INT4_GEMV_MAX_TOKENS]
+    x = torch.randn(K.INT4_GEMV_MAX_TOKENS + 1, k).bfloat16()  # more rows: the C gemm, not this kernel
+    K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], kg, n)
+    assert len(calls) == 5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_embedding_logits_equal_dequantized(dtype):
     """The tied int8 LM head: float32 logits on the decode kernel (<= INT8_LOGITS_MAX_TOKENS rows) and on the

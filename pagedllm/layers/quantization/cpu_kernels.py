@@ -23,6 +23,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int8_logits.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.int4_gemm.restype = lib.int4_expand.restype = lib.int8_gemm.restype = None
     lib.int8_logits.restype = None
+    lib.int4_gemv_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr]
+    lib.int4_gemv_bf16.restype = None
+    lib.int4_gemv_bf16_supported.argtypes = []
+    lib.int4_gemv_bf16_supported.restype = ctypes.c_int
 
 
 _LIB = CLibrary("int4_cpu", [_SRC], _FLAGS, _declare)
@@ -41,6 +45,33 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Ten
     out = torch.empty(m, n_out, dtype=x.dtype)
     lib.int4_gemm(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size,
                   packed.shape[0], n_out, out.data_ptr(), int(x.dtype == torch.bfloat16))
+    return out
+
+
+_GEMV_SUPPORTED: Optional[bool] = None
+
+
+def int4_gemv_supported() -> bool:
+    """Whether ``int4_gemv_bf16`` was built (the CPU has AVX512-VNNI, -VBMI and -BF16); cached."""
+    global _GEMV_SUPPORTED
+    lib = get_lib()
+    if lib is None:
+        return False
+    if _GEMV_SUPPORTED is None:
+        _GEMV_SUPPORTED = bool(lib.int4_gemv_bf16_supported())
+    return _GEMV_SUPPORTED
+
+
+def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                   n_out: int) -> torch.Tensor:
+    """``x [M, K]`` (bf16, contiguous) @ w.T -> bf16 ``[M, n_out]`` on integer dot products (csrc/int4_cpu.c): x is
+    quantized per weight group to 15 bits (error ~2^-15 of the group's largest |x|), sums are exact in int32, the
+    scales apply in float32, one rounding to bf16. ``scales_and_zeros`` bf16, group ``G % 4 == 0``. Requires
+    ``int4_gemv_supported()``."""
+    m, k = x.shape
+    out = torch.empty(m, n_out, dtype=torch.bfloat16)
+    get_lib().int4_gemv_bf16(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size,
+                             packed.shape[0], n_out, out.data_ptr())
     return out
 
 

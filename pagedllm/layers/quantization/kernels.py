@@ -42,6 +42,10 @@ INT4_KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 # from DENSE_FALLBACK_MIN_TOKENS on (prefill): expand the whole weight (C, 2-3x faster than in torch) + one dense
 # matmul (576x1536 at M=128: C gemm 3.4 ms, expand 2.1 ms + dense 1.0 ms).
 INT4_GEMM_MIN_TOKENS = 6
+# bf16 activations, up to this many rows: our integer-dot kernel (int4_gemv_bf16), when the CPU has AVX512-VNNI,
+# -VBMI and -BF16. SmolLM2 shapes, 2 threads, M = 1, microseconds: 960x576 23 vs aten 38, 3072x576 53 vs 114,
+# 576x1536 41 vs 59; at M = 8 it still beats the C gemm on the wide shapes, at 16 it does not.
+INT4_GEMV_MAX_TOKENS = 8
 INT8_GEMM_MIN_TOKENS = 24
 DENSE_FALLBACK_MIN_TOKENS = 128
 
@@ -167,6 +171,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     from pagedllm.layers.quantization import cpu_kernels
 
     t = x.shape[0]
+    if t <= INT4_GEMV_MAX_TOKENS and x.dtype == torch.bfloat16 and cpu_kernels.int4_gemv_supported():
+        return cpu_kernels.int4_gemv_bf16(x.contiguous(), packed, scales_and_zeros, kernel_g, n_out)
     lib = cpu_kernels.get_lib() if t >= INT4_GEMM_MIN_TOKENS and x.dtype in (torch.bfloat16, torch.float32) else None
     if t >= DENSE_FALLBACK_MIN_TOKENS:
         if lib is not None:

@@ -7,6 +7,7 @@
  * 64 x 32 weight tile is expanded once into float32 (in L1) and used for all M rows: the batched-decode kernel.
  */
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -235,4 +236,130 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
     }
     free(xf);
 }
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+/* Int4 matmul for a few bf16 activation rows on integer dot products (vpdpbusd: 64 u8 x s8 products per instruction).
+ *
+ * Each activation row is quantized per weight group to 15 bits, x ~= xs * xq with xq = 128 * hi + lo
+ * (hi in [-128, 127], lo in [0, 127], both s8), so the codes (u8) dot both halves exactly in int32. The 15-bit
+ * rounding is about 2^-15 of the group's largest |x|, far below the bf16 rounding of the output (2^-9).
+ * A byte permute (vpermt2b) gathers 4 consecutive input features of one weight row into each 32-bit lane, as
+ * vpdpbusd wants them. Per group: sum_k w x = xs * (s * sum_k q xq + (z - 8 s) * sum_k xq), as w = (q - 8) s + z.
+ * Up to 2 activation rows share each expanded weight vector (more rows loop in chunks of 2). */
+#ifndef PF_FEATURES
+#define PF_FEATURES 64 /* prefetch distance in input features (x 32 bytes): 2 KB ahead */
+#endif
+static inline __attribute__((always_inline)) void gemv_block(
+    const int MR, const int8_t *xhi, const int8_t *xlo, int64_t K, const float *xscale, const float *xsum,
+    int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out,
+    uint16_t *out) {
+    /* lane r of rows 0..15: bytes (a[r], a[32 + r], b[r], b[32 + r]) of (a, b) = features (k, k + 1), (k + 2, k + 3) */
+    const __m512i idx0 = _mm512_set_epi8(
+        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12, 107, 75, 43, 11, 106, 74, 42, 10,
+        105, 73, 41, 9, 104, 72, 40, 8, 103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
+        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+    const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi8(16)); /* rows 16..31 */
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
+    float y[2][64] __attribute__((aligned(64))) = {{0}};
+    const uint8_t *pb = packed + b * K * 32;
+    for (int64_t g = 0; g < n_groups; g++) {
+        __m512i ah[2][4], al[2][4];
+#pragma GCC unroll 2
+        for (int r = 0; r < MR; r++)
+            for (int i = 0; i < 4; i++) ah[r][i] = al[r][i] = _mm512_setzero_si512();
+        if (g + 1 < n_groups) /* the next group's scales: a separate stream the hardware prefetcher does not follow */
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
+        for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+            if (PF_FEATURES) _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
+            if (PF_FEATURES) _mm_prefetch((const char *)(pb + (k + PF_FEATURES + 2) * 32), _MM_HINT_T0);
+            const __m512i va = _mm512_loadu_si512((const void *)(pb + k * 32));       /* features k, k + 1 */
+            const __m512i vb = _mm512_loadu_si512((const void *)(pb + (k + 2) * 32)); /* features k + 2, k + 3 */
+            const __m512i la = _mm512_and_si512(va, m0f), lb = _mm512_and_si512(vb, m0f);
+            const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(va, 4), m0f);
+            const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(vb, 4), m0f);
+            const __m512i w[4] = {_mm512_permutex2var_epi8(la, idx0, lb), _mm512_permutex2var_epi8(la, idx1, lb),
+                                  _mm512_permutex2var_epi8(ha, idx0, hb), _mm512_permutex2var_epi8(ha, idx1, hb)};
+#pragma GCC unroll 2
+            for (int r = 0; r < MR; r++) {
+                int32_t qh, ql;
+                memcpy(&qh, xhi + r * K + k, 4);
+                memcpy(&ql, xlo + r * K + k, 4);
+                const __m512i xh = _mm512_set1_epi32(qh), xl = _mm512_set1_epi32(ql);
+                for (int i = 0; i < 4; i++) {
+                    ah[r][i] = _mm512_dpbusd_epi32(ah[r][i], w[i], xh);
+                    al[r][i] = _mm512_dpbusd_epi32(al[r][i], w[i], xl);
+                }
+            }
+        }
+        const uint16_t *szg = sz + (g * N_pad + 64 * b) * 2; /* 64 (s, z) bf16 pairs: dword = s | z << 16 */
+        for (int i = 0; i < 4; i++) {
+            const __m512i p = _mm512_loadu_si512((const void *)(szg + 32 * i));
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+            const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s,
+                                               _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask)));
+#pragma GCC unroll 2
+            for (int r = 0; r < MR; r++) {
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ah[r][i], 7), al[r][i]));
+                __m512 acc = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[r * n_groups + g]), _mm512_load_ps(y[r] + 16 * i));
+                acc = _mm512_fmadd_ps(s, _mm512_mul_ps(dot, _mm512_set1_ps(xscale[r * n_groups + g])), acc);
+                _mm512_store_ps(y[r] + 16 * i, acc);
+            }
+        }
+    }
+    const int64_t n0 = 64 * b;
+#pragma GCC unroll 2
+    for (int r = 0; r < MR; r++)
+        for (int i = 0; i < 4; i++) {
+            const int64_t cnt = n_out - n0 - 16 * i;
+            if (cnt <= 0) break;
+            const __mmask16 mask = cnt >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cnt) - 1);
+            _mm256_mask_storeu_epi16(out + r * n_out + n0 + 16 * i, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(y[r] + 16 * i)));
+        }
+}
+
+/* out[M][n_out] (bf16) = x[M][K] (bf16) @ w.T over the CPU int4 pack with bf16 scales_and_zeros;
+ * K % G == 0, G % 4 == 0. */
+void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
+                    int64_t N_pad, int64_t n_out, uint16_t *out) {
+    const int64_t n_groups = K / G;
+    int8_t *xq = (int8_t *)malloc((size_t)(2 * M * K)); /* hi [M][K], then lo [M][K] */
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(2 * M * n_groups)); /* scale, then scale * sum(xq) */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < n_groups; g++) {
+            const uint16_t *xg = x + m * K + g * G;
+            float amax = 0.0f;
+            for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(bf16_to_f32(xg[k])));
+            const float scale = amax / 16383.0f, inv = amax > 0.0f ? 16383.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int64_t k = 0; k < G; k++) {
+                const int32_t q = (int32_t)lrintf(bf16_to_f32(xg[k]) * inv); /* |q| <= 16383 */
+                xq[m * K + g * G + k] = (int8_t)(q >> 7);                    /* floor(q / 128) */
+                xq[M * K + m * K + g * G + k] = (int8_t)(q & 127);
+                sum += q;
+            }
+            xs[m * n_groups + g] = scale;
+            xs[M * n_groups + m * n_groups + g] = scale * (float)sum;
+        }
+    const int64_t nb = N_pad / 64;
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int8_t *xh = xq + m0 * K, *xl = xq + M * K + m0 * K;
+            const float *sc = xs + m0 * n_groups, *sm = xs + M * n_groups + m0 * n_groups;
+            if (M - m0 >= 2)
+                gemv_block(2, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, out + m0 * n_out);
+            else
+                gemv_block(1, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, out + m0 * n_out);
+        }
+    }
+    free(xq);
+    free(xs);
+}
+
+int int4_gemv_bf16_supported(void) { return 1; }
+#else
+int int4_gemv_bf16_supported(void) { return 0; }
 #endif
