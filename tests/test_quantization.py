@@ -146,13 +146,14 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_embedding_logits_equal_dequantized(dtype):
-    """The tied int8 LM head: float32 logits on the decode kernel (<= INT8_LOGITS_MAX_TOKENS rows) and on the
+@pytest.mark.parametrize("k", [96, 128])  # 128: the integer-dot decode kernel where the CPU has AVX512-VNNI
+def test_int8_embedding_logits_equal_dequantized(dtype, k):
+    """The tied int8 LM head: float32 logits on the decode kernels (<= INT8_LOGITS_MAX_TOKENS rows) and on the
     batched path, vs x @ dequant(W).T in float64; the lookup returns the dequantized rows."""
     from pagedllm.layers.quantization import QuantEmbedding
     from pagedllm.layers.quantization.kernels import INT8_LOGITS_MAX_TOKENS
 
-    n, k = 1000, 96
+    n = 1000
     emb = QuantEmbedding(n, k, dtype, QuantConfig("gguf"))
     emb.load_shard(0, "weight", _gguf_weight(Q.Q8_0, n, k))
     emb.process_weights_after_loading()

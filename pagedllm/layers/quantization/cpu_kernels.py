@@ -25,6 +25,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int8_logits.restype = None
     lib.int4_gemv_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr]
     lib.int4_gemv_bf16.restype = None
+    if lib.int4_gemv_bf16_supported():  # built with the same instruction sets
+        lib.int8_logits_vnni.argtypes = lib.int8_logits.argtypes
+        lib.int8_logits_vnni.restype = None
     lib.int4_gemv_bf16_supported.argtypes = []
     lib.int4_gemv_bf16_supported.restype = ctypes.c_int
 
@@ -77,8 +80,11 @@ def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torc
 
 def int8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` (bf16 / float32, contiguous; K % 16 == 0) @ (q * scale[:, None]).T -> float32 ``[M, N]``, with
-    ``scale [N]`` float32 applied to the float32 sums."""
-    return _int8_call(get_lib().int8_logits, x, q, scale, torch.float32)
+    ``scale [N]`` float32 applied last. With AVX512-VNNI and K % 64 == 0: integer dot products over x quantized to
+    22 bits per row (``int8_logits_vnni``; error ~2^-22 of the row's largest |x|, sums exact), else float32 sums."""
+    lib = get_lib()
+    fn = lib.int8_logits_vnni if x.shape[1] % 64 == 0 and int4_gemv_supported() else lib.int8_logits
+    return _int8_call(fn, x, q, scale, torch.float32)
 
 
 def int4_expand(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,

@@ -359,6 +359,68 @@ void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pack
     free(xs);
 }
 
+/* Per-row int8 weights as logits on integer dot products: out[M][N] (float32) = scale[n] * sum_k x[m][k] q[n][k].
+ * Each activation row is quantized to 22 bits (xq = round(x / xs), |xq| < 2^21, xs = max|x| / (2^21 - 1)) and
+ * split into three s8 parts, xq = 2^14 a + 2^7 b + c (a in [-128, 127], b, c in [0, 127]); the weights enter
+ * vpdpbusd as u8 (q + 128), so sum_k q xq = 2^14 A + 2^7 B + C - 128 sum_k xq, exact in int64. The only rounding
+ * before the float32 scales is the 22-bit one (2^-22 of the row's largest |x|). K % 64 == 0. */
+void int8_logits_vnni(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                      float *out, int is_bf16) {
+    int8_t *parts = (int8_t *)aligned_alloc(64, (size_t)(3 * M * K)); /* [M][3][K]: a, b, c */
+    double *row_scale = (double *)malloc(sizeof(double) * (size_t)M);
+    int64_t *row_sum = (int64_t *)malloc(sizeof(int64_t) * (size_t)M);
+    for (int64_t m = 0; m < M; m++) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_act(x, m * K + k, is_bf16)));
+        const float inv = amax > 0.0f ? 2097151.0f / amax : 0.0f;
+        int64_t sum = 0;
+        for (int64_t k = 0; k < K; k++) {
+            const int32_t v = (int32_t)lrintf(load_act(x, m * K + k, is_bf16) * inv);
+            parts[(m * 3 + 0) * K + k] = (int8_t)(v >> 14);
+            parts[(m * 3 + 1) * K + k] = (int8_t)((v >> 7) & 127);
+            parts[(m * 3 + 2) * K + k] = (int8_t)(v & 127);
+            sum += v;
+        }
+        row_scale[m] = amax / 2097151.0;
+        row_sum[m] = sum;
+    }
+    const int64_t nblk = (N + 3) / 4;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma omp parallel for schedule(static) if (nblk > 1)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t n0 = blk * 4;
+        const int nr = N - n0 < 4 ? (int)(N - n0) : 4;
+        if (blk + 2 < nblk) /* the stream of weight rows two blocks ahead */
+            for (int64_t off = 0; off < 4 * K; off += 64) _mm_prefetch((const char *)(q + (n0 + 8) * K + off), _MM_HINT_T0);
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *pa = parts + m * 3 * K;
+            __m512i acc[4][3];
+            for (int c = 0; c < 4; c++) acc[c][0] = acc[c][1] = acc[c][2] = _mm512_setzero_si512();
+            for (int64_t k = 0; k < K; k += 64) {
+                const __m512i xa = _mm512_load_si512((const void *)(pa + k));
+                const __m512i xb = _mm512_load_si512((const void *)(pa + K + k));
+                const __m512i xc = _mm512_load_si512((const void *)(pa + 2 * K + k));
+                for (int c = 0; c < 4; c++) {
+                    if (c >= nr) break;
+                    const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + (n0 + c) * K + k)), flip);
+                    acc[c][0] = _mm512_dpbusd_epi32(acc[c][0], w, xa);
+                    acc[c][1] = _mm512_dpbusd_epi32(acc[c][1], w, xb);
+                    acc[c][2] = _mm512_dpbusd_epi32(acc[c][2], w, xc);
+                }
+            }
+            for (int c = 0; c < nr; c++) {
+                const int64_t dot = (int64_t)_mm512_reduce_add_epi32(acc[c][0]) * 16384 +
+                                    (int64_t)_mm512_reduce_add_epi32(acc[c][1]) * 128 +
+                                    (int64_t)_mm512_reduce_add_epi32(acc[c][2]) - 128 * row_sum[m];
+                out[m * N + n0 + c] = (float)((double)dot * row_scale[m]) * scale[n0 + c];
+            }
+        }
+    }
+    free(parts);
+    free(row_scale);
+    free(row_sum);
+}
+
 int int4_gemv_bf16_supported(void) { return 1; }
 #else
 int int4_gemv_bf16_supported(void) { return 0; }
