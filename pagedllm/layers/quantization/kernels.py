@@ -10,8 +10,9 @@ Every scheme is converted at load into one of two canonical forms, then packed o
   (``s * (q - z_int)``) have zero ``s * (8 - z_int)``.
 - ``Int8Rows``: int8 codes with one scale per output row (``aten._weight_int8pack_mm``).
 
-aten's int4 op costs about the same per activation row at any batch (no weight reuse across rows): batches of a
-few rows and more run on our C kernel, prefill expands the weight for one dense matmul (``int4_matmul``).
+Decode rows in bf16 run on our integer-dot kernel (``int4_gemv_bf16``, AVX512-VNNI); otherwise aten's int4 op, which
+costs about the same per activation row at any batch (no weight reuse across rows): batches of a few rows and more
+run on our C kernel, prefill expands the weight for one dense matmul (``int4_matmul``).
 
 Measured (1 thread, bf16, SmolLM2 shapes, microseconds; see README "Quantization"):
 
