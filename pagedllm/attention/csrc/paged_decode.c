@@ -210,6 +210,16 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
  * sums; no widening of K), and P.V with all G x ND accumulators in registers, one pass over V. G and ND are
  * compile-time constants in each instantiation (dp_dispatch), so the accumulators stay in zmm registers. One KV
  * head per call; P stays float32 (unlike flash-attention kernels that round it to bf16). */
+/* Software prefetch distances (tokens). Each KV block is a jump the hardware prefetcher can't follow, and a head's
+ * row is 128 of every KVH * D * 2 bytes. 32 requests x 215 tokens x 30 layers (SmolLM2, random block tables, 2
+ * threads): 21.5 -> 14.7 ms with K and V rows prefetched 16 tokens ahead, 13.4 ms with V also pulled into L2 during
+ * the K pass; 8 to 48 tokens measured the same. */
+#ifndef V_PREFETCH_TOKENS
+#define V_PREFETCH_TOKENS 16
+#endif
+#ifndef K_PREFETCH_TOKENS
+#define K_PREFETCH_TOKENS 16
+#endif
 static inline __attribute__((always_inline)) void dp_task(
         const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int L, int start,
         int64_t row, uint16_t* out, int H, int KVH, int kh, int BS, float scale, int64_t q_stride, const int G,
@@ -230,6 +240,15 @@ static inline __attribute__((always_inline)) void dp_task(
         for (int i = 0; i < nt; ++i) {
             const int t = t0 + i;
             rowp[i] = k_cache + ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + kh) * D;
+        }
+        if (t0 + K_PREFETCH_TOKENS < L) { /* K rows of this head ahead (to L1), V rows to L2 for the second pass */
+            const int nn = L - t0 - K_PREFETCH_TOKENS < 16 ? L - t0 - K_PREFETCH_TOKENS : 16;
+            for (int i = 0; i < nn; ++i) {
+                const int t = t0 + K_PREFETCH_TOKENS + i;
+                const int64_t off = ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + kh) * D;
+                for (int c = 0; c < D * 2; c += 64) _mm_prefetch((const char*)(k_cache + off) + c, _MM_HINT_T0);
+                for (int c = 0; c < D * 2; c += 64) _mm_prefetch((const char*)(v_cache + off) + c, _MM_HINT_T1);
+            }
         }
         for (int g = 0; g < G; ++g) {
             __m512 dots[16];
@@ -270,6 +289,11 @@ static inline __attribute__((always_inline)) void dp_task(
     for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {
         const uint16_t* vp = v_cache + ((bt[b] * BS + o) * (int64_t)KVH + kh) * D;
         if (++o == BS) { o = 0; ++b; }
+        if (t + V_PREFETCH_TOKENS < L) { /* V rows a few tokens ahead (across block jumps) */
+            const int tp = t + V_PREFETCH_TOKENS;
+            const char* pv = (const char*)(v_cache + ((bt[tp / BS] * BS + tp % BS) * (int64_t)KVH + kh) * D);
+            for (int c = 0; c < D * 2; c += 64) _mm_prefetch(pv + c, _MM_HINT_T0);
+        }
         __m512 vv[8];
         for (int j = 0; j < ND; ++j) vv[j] = load16_bf16(vp + 16 * j);
         for (int g = 0; g < G; ++g) {
