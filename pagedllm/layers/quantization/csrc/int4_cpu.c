@@ -5,6 +5,8 @@
  *
  * aten's op re-expands the weights for every activation row, so its cost grows with the batch. Here each
  * 64 x 32 weight tile is expanded once into float32 (in L1) and used for all M rows: the batched-decode kernel.
+ * With AVX512-VNNI/VBMI/BF16, decode rows in bf16 instead run on integer dot products over the codes
+ * (int4_gemv_bf16), and the per-row int8 LM head likewise (int8_logits_vnni); both at the end of this file.
  */
 #include <stdint.h>
 #include <math.h>
