@@ -145,6 +145,27 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
     assert len(calls) == 5
 
 
+def test_int4_library_loads_without_vnni(tmp_path):
+    """On a CPU without AVX512-VNNI the VNNI kernels are not compiled in: the library still declares and serves the
+    other kernels, and reports the decode kernel as unsupported."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from pagedllm.layers.quantization import cpu_kernels
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    so = str(tmp_path / "int4_novnni.so")
+    subprocess.run(["gcc", "-O1", "-march=native", "-mno-avx512vnni", "-fopenmp", "-shared", "-fPIC",
+                    cpu_kernels._SRC, "-o", so, "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(so)
+    cpu_kernels._declare(lib)
+    assert lib.int4_gemv_bf16_supported() == 0
+    assert not hasattr(lib, "int4_gemv_bf16") or lib.int4_gemv_bf16.argtypes is None
+    assert lib.int4_gemm.argtypes is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [96, 128])  # 128: the integer-dot decode kernel where the CPU has AVX512-VNNI
 def test_int8_embedding_logits_equal_dequantized(dtype, k):

@@ -210,10 +210,9 @@ class _ThreadBackend:
                 self.engine = factory()
             except BaseException as e:  # noqa: BLE001 - raised in the constructor's thread
                 self._build_error = e
-                return
-            finally:
-                self._built.set()
         self._built.set()
+        if self._build_error is not None:
+            return
         try:
             _engine_loop(self.engine, self._get_inbox, self._on_message)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine; tell everyone

@@ -214,12 +214,8 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
  * row is 128 of every KVH * D * 2 bytes. 32 requests x 215 tokens x 30 layers (SmolLM2, random block tables, 2
  * threads): 21.5 -> 14.7 ms with K and V rows prefetched 16 tokens ahead, 13.4 ms with V also pulled into L2 during
  * the K pass; 8 to 48 tokens measured the same. */
-#ifndef V_PREFETCH_TOKENS
 #define V_PREFETCH_TOKENS 16
-#endif
-#ifndef K_PREFETCH_TOKENS
 #define K_PREFETCH_TOKENS 16
-#endif
 static inline __attribute__((always_inline)) void dp_task(
         const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int L, int start,
         int64_t row, uint16_t* out, int H, int KVH, int kh, int BS, float scale, int64_t q_stride, const int G,

@@ -23,13 +23,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.int8_logits.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.int4_gemm.restype = lib.int4_expand.restype = lib.int8_gemm.restype = None
     lib.int8_logits.restype = None
-    lib.int4_gemv_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr]
-    lib.int4_gemv_bf16.restype = None
-    if lib.int4_gemv_bf16_supported():  # built with the same instruction sets
-        lib.int8_logits_vnni.argtypes = lib.int8_logits.argtypes
-        lib.int8_logits_vnni.restype = None
     lib.int4_gemv_bf16_supported.argtypes = []
     lib.int4_gemv_bf16_supported.restype = ctypes.c_int
+    if lib.int4_gemv_bf16_supported():  # both VNNI kernels exist only on CPUs with AVX512-VNNI, -VBMI and -BF16
+        lib.int4_gemv_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr]
+        lib.int8_logits_vnni.argtypes = lib.int8_logits.argtypes
+        lib.int4_gemv_bf16.restype = lib.int8_logits_vnni.restype = None
 
 
 _LIB = CLibrary("int4_cpu", [_SRC], _FLAGS, _declare)

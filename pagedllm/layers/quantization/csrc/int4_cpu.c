@@ -249,9 +249,7 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
  * A byte permute (vpermt2b) gathers 4 consecutive input features of one weight row into each 32-bit lane, as
  * vpdpbusd wants them. Per group: sum_k w x = xs * (s * sum_k q xq + (z - 8 s) * sum_k xq), as w = (q - 8) s + z.
  * Up to 2 activation rows share each expanded weight vector (more rows loop in chunks of 2). */
-#ifndef PF_FEATURES
-#define PF_FEATURES 64 /* prefetch distance in input features (x 32 bytes): 2 KB ahead */
-#endif
+#define PF_FEATURES 64 /* prefetch distance in input features (x 32 bytes): 2 KB ahead (~10% over none) */
 static inline __attribute__((always_inline)) void gemv_block(
     const int MR, const int8_t *xhi, const int8_t *xlo, int64_t K, const float *xscale, const float *xsum,
     int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out,
@@ -274,8 +272,8 @@ static inline __attribute__((always_inline)) void gemv_block(
         if (g + 1 < n_groups) /* the next group's scales: a separate stream the hardware prefetcher does not follow */
             for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
         for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-            if (PF_FEATURES) _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
-            if (PF_FEATURES) _mm_prefetch((const char *)(pb + (k + PF_FEATURES + 2) * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pb + (k + PF_FEATURES + 2) * 32), _MM_HINT_T0);
             const __m512i va = _mm512_loadu_si512((const void *)(pb + k * 32));       /* features k, k + 1 */
             const __m512i vb = _mm512_loadu_si512((const void *)(pb + (k + 2) * 32)); /* features k + 2, k + 3 */
             const __m512i la = _mm512_and_si512(va, m0f), lb = _mm512_and_si512(vb, m0f);
