@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import cpu_kernels
-from pagedllm.layers.packed_linear import PackedLinear, lm_head_logits, pack_linear_weights, packing_supported
+from pagedllm.layers.packed_linear import (PackedLinear, amx_linear_supported, lm_head_logits, pack_linear_weights,
+                                          packing_supported)
 
 
 @pytest.fixture(autouse=True)
@@ -71,6 +72,27 @@ def test_packed_linear_equals_f_linear(bias):
         for rows in (1, 3, 32, 100):
             x = torch.randn(rows, in_f).bfloat16()
             torch.testing.assert_close(packed(x), F.linear(x, lin.weight, lin.bias), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not amx_linear_supported(), reason="no AMX-BF16 here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_float64(bias):
+    """The AMX kernel against a float64 matmul: every row-tile tail (1-100 rows) and both weight tiles of a group.
+    Bound: the one bf16 rounding of the output (2^-8 relative) plus float32 summation (2^-20 of sum |x w|)."""
+    torch.manual_seed(1)
+    for out_f, in_f in [(960, 576), (64, 1536)]:
+        w = (torch.randn(out_f, in_f) * 0.05).bfloat16()
+        b = torch.randn(out_f).bfloat16() if bias else None
+        packed = PackedLinear(w, b)
+        assert packed.backend == "amx"
+        for rows in (1, 5, 16, 17, 32, 33, 100):
+            x = torch.randn(rows, in_f).bfloat16()
+            x[0, :] *= 1000.0  # a row of a very different scale
+            ref = x.double() @ w.double().T + (b.double() if bias else 0.0)
+            bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().T) * 2.0 ** -20
+            err = (packed(x).double() - ref).abs()
+            assert (err <= bound).all(), (out_f, in_f, rows, (err - bound).max().item())
+    assert PackedLinear(torch.randn(48, 64).bfloat16(), None).backend == "onednn"  # 48 % 32 != 0
 
 
 @pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 here")
