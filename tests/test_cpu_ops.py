@@ -95,6 +95,27 @@ def test_amx_linear_matches_float64(bias):
     assert PackedLinear(torch.randn(48, 64).bfloat16(), None).backend == "onednn"  # 48 % 32 != 0
 
 
+@pytest.mark.skipif(not amx_linear_supported(), reason="no AMX-BF16 here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_gated_gate_up_equals_unfused(bias):
+    """A SwiGLU gate_up packed gated: ``forward`` equals the plain packing's output and ``forward_silu_mul`` equals
+    ``silu_and_mul`` of it, bit for bit (rows past one 256-row chunk included)."""
+    torch.manual_seed(2)
+    i_size, k = 96, 64
+    w = (torch.randn(2 * i_size, k) * 0.2).bfloat16()
+    b = torch.randn(2 * i_size).bfloat16() if bias else None
+    plain, gated = PackedLinear(w, b), PackedLinear(w, b, silu_gated=True)
+    assert gated.gated and not plain.gated
+    for rows in (1, 17, 33, 300):
+        x = torch.randn(rows, k).bfloat16()
+        gate_up = plain(x)
+        assert torch.equal(gated(x), gate_up)
+        act = gated.forward_silu_mul(x)
+        assert act.shape == (rows, i_size)
+        assert torch.equal(act, cpu_kernels.silu_and_mul(gate_up))
+    assert plain.forward_silu_mul(torch.randn(2, k).bfloat16()) is None
+
+
 @pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 here")
 def test_pack_linear_weights_replaces_linears_and_tied_head():
     class Tiny(nn.Module):

@@ -54,11 +54,16 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.amx_linear_supported.argtypes, lib.amx_linear_supported.restype = [], ctypes.c_int
     lib.amx_pack.argtypes, lib.amx_pack.restype = [ptr, i64, i64, ptr], None
-    lib.amx_linear_bf16.argtypes, lib.amx_linear_bf16.restype = [ptr, i64, i64, ptr, i64, ptr, ptr], None
+    lib.amx_linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.amx_linear_bf16.restype = None
 
 
-_AMX_LIB = CLibrary("amx_linear", [os.path.join(os.path.dirname(__file__), "csrc", "amx_linear.c")],
-                    ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-fopenmp"], _declare_amx)
+_HERE = os.path.dirname(__file__)
+# The same math flags as the fused element-wise kernels (attention/csrc/cpu_ops.c), so the SiLU epilogue rounds alike.
+_AMX_LIB = CLibrary("amx_linear", [os.path.join(_HERE, "csrc", "amx_linear.c")],
+                    ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-ffast-math", "-fno-finite-math-only",
+                     "-fopenmp"], _declare_amx,
+                    headers=[os.path.join(_HERE, "..", "attention", "csrc", f) for f in ("simd.h", "bf16.h")])
 _AMX_OK: Optional[bool] = None
 
 
@@ -91,44 +96,71 @@ class PackedLinear(nn.Module):
 
     forward(x [..., in_features] bf16) -> [..., out_features] bf16. Both backends sum in float32 and round once to
     bf16 (AMX: bias added in float32 before the rounding; oneDNN: the bf16 bias); ``backend`` says which one.
+
+    ``silu_gated=True`` (a SwiGLU ``gate_up_proj``, ``W = [gate; up]``): on the AMX backend the two halves are packed
+    side by side so that ``forward_silu_mul`` returns ``silu(gate) * up [..., out_features / 2]`` straight from the
+    matmul (no ``[T, 2I]`` intermediate, no separate pass), equal bit for bit to ``forward`` then
+    ``attention.cpu_kernels.silu_and_mul``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_gated: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.backend = ("amx" if self.out_features % 32 == 0 and self.in_features % 32 == 0
                         and amx_linear_supported() else "onednn")
+        self.gated = self.backend == "amx" and silu_gated and self.out_features % 64 == 0
         with torch.no_grad():
             w = weight.detach().contiguous()
+            b32 = None if bias is None else bias.detach().float().contiguous()
             if self.backend == "amx":
+                if self.gated:  # each 32-row group: 16 gate rows, then the 16 matching up rows
+                    w = _interleave_halves(w)
+                    b32 = None if b32 is None else _interleave_halves(b32[:, None])[:, 0].contiguous()
                 packed = torch.empty(w.numel(), dtype=torch.bfloat16)
                 _AMX_LIB.get().amx_pack(w.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # The AMX kernel adds a float32 bias before its one rounding.
-        self._bias_f32 = None if bias is None or self.backend != "amx" else bias.detach().float().contiguous()
+        # The AMX kernel adds a float32 bias (in packed row order) before its one rounding.
+        self._bias_f32 = b32 if self.backend == "amx" else None
         self._amx = _AMX_LIB.get().amx_linear_bf16 if self.backend == "amx" else None
+        # Raw pointers for the kernel call, with references that keep their tensors alive.
+        self._w, self._w_ptr = packed, (packed.data_ptr() if self.backend == "amx" else None)
+        self._b_ptr = None if self._bias_f32 is None else self._bias_f32.data_ptr()
+
+    def _run(self, x: torch.Tensor, mode: int, n_out: int) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():  # the model's rows come as they are
+            lead = x.shape[:-1]
+            x = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            return self._run(x, mode, n_out).view(*lead, n_out)
+        m = x.shape[0]
+        out = torch.empty((m, n_out), dtype=torch.bfloat16)
+        if m:  # a decode step calls this ~120 times: no per-call work beyond the kernel
+            self._amx(x.data_ptr(), m, self.in_features, self._w_ptr, self.out_features, self._b_ptr, out.data_ptr(),
+                      mode)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._amx is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        x2 = x2.contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16)
-        if x2.shape[0]:
-            self._amx(x2.data_ptr(), x2.shape[0], self.in_features, self.packed_weight.data_ptr(),
-                      self.out_features, None if self._bias_f32 is None else self._bias_f32.data_ptr(),
-                      out.data_ptr())
-        return out.view(*lead, self.out_features)
+        return self._run(x, 1 if self.gated else 0, self.out_features)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``silu(gate) * up`` ``[..., out_features / 2]`` in one kernel, or None when this layer wasn't packed gated."""
+        if not self.gated:
+            return None
+        return self._run(x, 2, self.out_features // 2)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"backend={self.backend}")
+
+
+def _interleave_halves(w: torch.Tensor) -> torch.Tensor:
+    """``[2I, K]`` rows ``[a; b]`` -> 16 rows of ``a``, 16 of ``b``, the next 16 of ``a``, ... (``I % 16 == 0``)."""
+    two_i, k = w.shape
+    return w.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k).contiguous()
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -140,7 +172,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = PackedLinear(m.weight, m.bias)
+        packed = PackedLinear(m.weight, m.bias, silu_gated=getattr(m, "silu_gated", False))
         if hasattr(m, "output_sizes"):
             packed.output_sizes = m.output_sizes
         setattr(parent, attr, packed)

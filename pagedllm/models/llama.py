@@ -129,9 +129,14 @@ class LlamaMLP(nn.Module):
             return
         self.gate_up_proj = _linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.gate_up_proj.output_sizes = (intermediate_size, intermediate_size)
+        self.gate_up_proj.silu_gated = True  # weight packing may fuse silu(gate) * up into the matmul
         self.down_proj = _linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "forward_silu_mul", None)  # a packed layer (layers/packed_linear.py)
+        act = fused(x) if fused is not None else None
+        if act is not None:
+            return self.down_proj.forward(act)
         gate_up = self.gate_up_proj.forward(x)
         act = silu_and_mul(gate_up)  # one C pass on CPU (csrc/cpu_ops.c)
         if act is None:

@@ -59,14 +59,6 @@ DEFINE_RMS(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
 #if defined(__AVX512F__)
 #include "simd.h"
-/* Vectorized: silu(g) = g / (1 + exp(-g)) with exp16 (relative error < 2e-7, far below a bf16 ulp). */
-static inline __m512 silu16(__m512 g) {
-    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-}
-static inline __m512 round16_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(store16_bf16_bits(v)), 16));
-}
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
     _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
     for (int64_t r = 0; r < rows; ++r) {

@@ -38,4 +38,15 @@ static inline __m256i store16_bf16_bits(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 #endif
 }
+
+/* silu(g) = g / (1 + exp(-g)) with exp16 (relative error < 2e-7, far below a bf16 ulp). */
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+/* v rounded to bf16 and widened back to float32. */
+static inline __m512 round16_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(store16_bf16_bits(v)), 16));
+}
 #endif

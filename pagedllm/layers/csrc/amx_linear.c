@@ -17,12 +17,19 @@
  * TDPBF16PS ~15 ns and a 16-row tile load ~10 ns whatever the row count, and they don't overlap, so small batches
  * cost about the same as one row and the weight stream sets the speed.
  * Requires N % 32 == 0 and K % 32 == 0 (the caller checks).
+ *
+ * Gated MLPs (gate_up_proj, W = [gate; up], each I rows): packed with each group's two tiles holding 16 gate rows
+ * and the 16 matching up rows (amx_linear_bf16 mode 1 writes them back as [gate | up]; mode 2 writes
+ * silu(gate) * up [M, I] directly, with the roundings of the unfused path: gate and up to bf16, silu(gate) to bf16,
+ * the product to bf16, so the result equals gate_up -> silu_mul bit for bit).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "../../attention/csrc/simd.h" /* silu16, round16_bf16: the same arithmetic as csrc/cpu_ops.c silu_mul */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature (arch/x86/include/uapi) */
 #define XFEATURE_XTILEDATA 18
@@ -85,13 +92,35 @@ static inline void store_rows(const float *acc, int rows, const float *bias, uin
     }
 }
 
-/* x [M, K] bf16 (row stride K), P packed by amx_pack, bias [N] fp32 or NULL -> out [M, N] bf16. */
+/* The 16 x 16 results of one group's two column tiles (acc0, acc1; fp32, row stride 16) for `rows` rows. */
+static inline void emit(const float *acc0, const float *acc1, int rows, const float *b0, const float *b1,
+                        uint16_t *out, int64_t N, int64_t g, int mode) {
+    if (mode == 0) { /* plain: the group's 32 consecutive columns */
+        store_rows(acc0, rows, b0, out + 32 * g, N);
+        store_rows(acc1, rows, b1, out + 32 * g + 16, N);
+    } else if (mode == 1) { /* gated layout, [gate | up] */
+        store_rows(acc0, rows, b0, out + 16 * g, N);
+        store_rows(acc1, rows, b1, out + N / 2 + 16 * g, N);
+    } else { /* gated layout, silu(gate) * up into [M, N / 2] */
+        const __m512 bg = b0 ? _mm512_loadu_ps(b0) : _mm512_setzero_ps();
+        const __m512 bu = b1 ? _mm512_loadu_ps(b1) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512 gv = round16_bf16(_mm512_add_ps(_mm512_load_ps(acc0 + 16 * r), bg));
+            const __m512 uv = round16_bf16(_mm512_add_ps(_mm512_load_ps(acc1 + 16 * r), bu));
+            const __m512 s = round16_bf16(silu16(gv));
+            _mm256_storeu_si256((__m256i *)(out + r * (N / 2) + 16 * g), store16_bf16_bits(_mm512_mul_ps(s, uv)));
+        }
+    }
+}
+
+/* x [M, K] bf16 (row stride K), P packed by amx_pack, bias [N] fp32 (in packed row order) or NULL -> out bf16:
+ * mode 0: [M, N]; mode 1 (gated packing): [M, N] as [gate | up]; mode 2 (gated packing): silu(gate) * up [M, N/2]. */
 void amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
-                     uint16_t *out) {
+                     uint16_t *out, int mode) {
     const int64_t KB = K / 32, G = N / 32;
 #pragma omp parallel
     {
-        float acc[16 * 16] __attribute__((aligned(64)));
+        float acc[2][16 * 16] __attribute__((aligned(64)));
         int cur0 = -1, cur1 = -1;
         for (int64_t mc = 0; mc < M; mc += ROW_CHUNK) {
             const int64_t mend = M - mc > ROW_CHUNK ? mc + ROW_CHUNK : M;
@@ -132,16 +161,14 @@ void amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P,
                             _tile_dpbf16ps(3, 5, 7);
                         }
                     }
-                    uint16_t *ob = out + mb * N + n0;
-                    _tile_stored(0, acc, 64);
-                    store_rows(acc, m0, b0, ob, N);
-                    _tile_stored(1, acc, 64);
-                    store_rows(acc, m0, b1, ob + 16, N);
+                    _tile_stored(0, acc[0], 64);
+                    _tile_stored(1, acc[1], 64);
+                    uint16_t *ob = out + mb * (mode == 2 ? N / 2 : N);
+                    emit(acc[0], acc[1], m0, b0, b1, ob, N, g, mode);
                     if (m1) {
-                        _tile_stored(2, acc, 64);
-                        store_rows(acc, m1, b0, ob + 16 * N, N);
-                        _tile_stored(3, acc, 64);
-                        store_rows(acc, m1, b1, ob + 16 * N + 16, N);
+                        _tile_stored(2, acc[0], 64);
+                        _tile_stored(3, acc[1], 64);
+                        emit(acc[0], acc[1], m1, b0, b1, ob + 16 * (mode == 2 ? N / 2 : N), N, g, mode);
                     }
                 }
             }
