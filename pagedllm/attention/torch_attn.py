@@ -31,6 +31,20 @@ class PrefillSlice:
     block_ids: Optional[torch.Tensor]  # [ceil(seq_len / block_size)] int64, None when nothing was cached before
     mask: Optional[torch.Tensor]  # [q_len, seq_len] bool (True = attend), None = plain causal
     mask_windowed: Optional[torch.Tensor] = None  # same, for sliding-window layers
+    _bias: dict = field(default_factory=dict, repr=False)
+
+    def attn_bias(self, windowed: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The mask as an additive bias in ``dtype`` (0 = attend, -inf = not), built once per step and shared by
+        every layer: torch's CPU flash-attention kernel runs ~10-20% faster with it than with the bool mask
+        (measured, bf16, 50-100 queries over 250-300 keys)."""
+        mask = self.mask_windowed if windowed else self.mask
+        if mask is None:
+            return None
+        bias = self._bias.get((windowed, dtype))
+        if bias is None:
+            bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+            self._bias[(windowed, dtype)] = bias
+        return bias
 
 
 @dataclass
@@ -229,7 +243,7 @@ class Attention(torch.nn.Module):
             else:
                 kp = k_cache.index_select(0, p.block_ids).view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
                 vp = v_cache.index_select(0, p.block_ids).view(-1, KVH, D)[: p.seq_len].transpose(0, 1)
-            mask = p.mask_windowed if windowed else p.mask
+            mask = p.attn_bias(windowed, qp.dtype)
             # 4-D inputs: torch's CPU flash-attention kernel only takes [B, H, L, D] (3-D falls back to the
             # unfused math path, ~7x slower on a 500-token prefill).
             qp, kp, vp = qp[None], kp[None], vp[None]

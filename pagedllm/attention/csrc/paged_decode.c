@@ -229,19 +229,24 @@ static inline __attribute__((always_inline)) void dp_task(
     __m512 mxv[6];
     for (int g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-INFINITY);
     const __m512 vscale = _mm512_set1_ps(scale);
+    const int64_t row_elems = (int64_t)KVH * D; /* elements from one token's row to the next in a block */
+    /* Block cursors (block index, offset) of the current tile's first token and of the prefetch target, advanced
+     * token by token: no division in the loop. */
+    int cb = start / BS, co = start % BS;
+    int pb = (start + K_PREFETCH_TOKENS) / BS, po = (start + K_PREFETCH_TOKENS) % BS;
     for (int t0 = start; t0 < L; t0 += 16) {
         const int nt = L - t0 < 16 ? L - t0 : 16;
         const __mmask16 km = (__mmask16)((1u << nt) - 1u);
         const uint16_t* rowp[16];
         for (int i = 0; i < nt; ++i) {
-            const int t = t0 + i;
-            rowp[i] = k_cache + ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + kh) * D;
+            rowp[i] = k_cache + (bt[cb] * BS + co) * row_elems + (int64_t)kh * D;
+            if (++co == BS) { co = 0; ++cb; }
         }
         if (t0 + K_PREFETCH_TOKENS < L) { /* K rows of this head ahead (to L1), V rows to L2 for the second pass */
             const int nn = L - t0 - K_PREFETCH_TOKENS < 16 ? L - t0 - K_PREFETCH_TOKENS : 16;
             for (int i = 0; i < nn; ++i) {
-                const int t = t0 + K_PREFETCH_TOKENS + i;
-                const int64_t off = ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + kh) * D;
+                const int64_t off = (bt[pb] * BS + po) * row_elems + (int64_t)kh * D;
+                if (++po == BS) { po = 0; ++pb; }
                 for (int c = 0; c < D * 2; c += 64) _mm_prefetch((const char*)(k_cache + off) + c, _MM_HINT_T0);
                 for (int c = 0; c < D * 2; c += 64) _mm_prefetch((const char*)(v_cache + off) + c, _MM_HINT_T1);
             }
@@ -282,12 +287,13 @@ static inline __attribute__((always_inline)) void dp_task(
     __m512 acc[6][8];
     for (int g = 0; g < G; ++g)
         for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_setzero_ps();
+    pb = (start + V_PREFETCH_TOKENS) / BS, po = (start + V_PREFETCH_TOKENS) % BS;
     for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {
-        const uint16_t* vp = v_cache + ((bt[b] * BS + o) * (int64_t)KVH + kh) * D;
+        const uint16_t* vp = v_cache + (bt[b] * BS + o) * row_elems + (int64_t)kh * D;
         if (++o == BS) { o = 0; ++b; }
         if (t + V_PREFETCH_TOKENS < L) { /* V rows a few tokens ahead (across block jumps) */
-            const int tp = t + V_PREFETCH_TOKENS;
-            const char* pv = (const char*)(v_cache + ((bt[tp / BS] * BS + tp % BS) * (int64_t)KVH + kh) * D);
+            const char* pv = (const char*)(v_cache + (bt[pb] * BS + po) * row_elems + (int64_t)kh * D);
+            if (++po == BS) { po = 0; ++pb; }
             for (int c = 0; c < D * 2; c += 64) _mm_prefetch(pv + c, _MM_HINT_T0);
         }
         __m512 vv[8];
