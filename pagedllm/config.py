@@ -115,13 +115,20 @@ def resolve_dtype(dtype: str, hf_config: Any = None):
     return table[d]
 
 
-def _cpu_has_bf16() -> bool:
+def cpu_flags() -> set:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (e.g. ``{"avx512_bf16", "amx_tile", ...}``); empty if unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return set()
+
+
+def _cpu_has_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @dataclass

@@ -35,8 +35,8 @@ class PrefillSlice:
 
     def attn_bias(self, windowed: bool, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """The mask as an additive bias in ``dtype`` (0 = attend, -inf = not), built once per step and shared by
-        every layer: torch's CPU flash-attention kernel runs ~10-20% faster with it than with the bool mask
-        (measured, bf16, 50-100 queries over 250-300 keys)."""
+        every layer: torch's CPU flash-attention kernel runs ~9% faster with it than with the bool mask, same output
+        (measured interleaved, bf16, 9 heads over 3 KV heads, 30-140 queries over 250-430 keys)."""
         mask = self.mask_windowed if windowed else self.mask
         if mask is None:
             return None

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedllm.config import cpu_flags
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -239,10 +241,8 @@ def machine_info() -> dict:
                 if line.startswith("model name"):
                     info["cpu"] = line.split(":", 1)[1].strip()
                     break
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-        info["isa"] = " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
-                               if f" {x}" in flags)
+        flags = cpu_flags()
+        info["isa"] = " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if x in flags)
     except OSError:
         pass
     info["cores"] = os.cpu_count()

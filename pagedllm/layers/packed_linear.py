@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.config import cpu_flags
 from pagedllm.utils.c_build import CLibrary
 
 logger = logging.getLogger(__name__)
@@ -67,17 +68,6 @@ _AMX_LIB = CLibrary("amx_linear", [os.path.join(_HERE, "csrc", "amx_linear.c")],
 _AMX_OK: Optional[bool] = None
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def amx_linear_supported() -> bool:
     """Whether the AMX bf16 kernel can run here: the CPU has AMX-TILE/AMX-BF16, the kernel built, the OS granted the
     tile state, and ``PAGEDLLM_AMX_LINEAR`` isn't ``0``. Cached after the first call."""
@@ -85,7 +75,7 @@ def amx_linear_supported() -> bool:
     if os.environ.get("PAGEDLLM_AMX_LINEAR", "1") == "0":
         return False
     if _AMX_OK is None:
-        ok = {"amx_tile", "amx_bf16"} <= _cpu_flags()  # don't even build the kernel on other CPUs
+        ok = {"amx_tile", "amx_bf16"} <= cpu_flags()  # don't even build the kernel on other CPUs
         lib = _AMX_LIB.get() if ok else None
         _AMX_OK = bool(lib is not None and lib.amx_linear_supported())
     return _AMX_OK

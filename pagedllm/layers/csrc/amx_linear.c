@@ -29,14 +29,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "../../attention/csrc/simd.h" /* silu16, round16_bf16: the same arithmetic as csrc/cpu_ops.c silu_mul */
+#include "../../attention/csrc/simd.h" /* silu16, round16_bf16, store16_bf16_bits: as in csrc/cpu_ops.c silu_mul */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature (arch/x86/include/uapi) */
 #define XFEATURE_XTILEDATA 18
-#define PREFETCH_BLOCKS 8
-#ifndef ROW_CHUNK
-#define ROW_CHUNK 256 /* rows of x per pass over the weights: 256 x K bf16 stays in L2 (K <= 4096) */
-#endif /* weight K blocks (2 KB each) prefetched ahead of the one being multiplied */
+#define PREFETCH_BLOCKS 8 /* weight K blocks (2 KB each) prefetched ahead of the one being multiplied */
+#define ROW_CHUNK 256     /* rows of x per pass over the weights: 256 x K bf16 stays in L2 (K <= 4096) */
 
 /* 1 when the CPU has AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22) and Linux lets this
  * process use the tile state; else 0. */
@@ -88,7 +86,7 @@ static inline void store_rows(const float *acc, int rows, const float *bias, uin
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), b);
-        _mm256_storeu_si256((__m256i *)(out + r * ldo), (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_storeu_si256((__m256i *)(out + r * ldo), store16_bf16_bits(v));
     }
 }
 
