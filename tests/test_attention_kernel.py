@@ -82,3 +82,96 @@ def test_torch_fallback_equals_kernel(monkeypatch):
     meta = build_attention_metadata(query_lens, seq_lens, bt, slot_mapping, BS)
     out_torch = attn(q, k, v, kv.clone(), meta)
     torch.testing.assert_close(out_kernel, out_torch, atol=1e-5, rtol=1e-5)
+
+
+def _amx_attention_ready() -> bool:
+    from pagedllm.utils.amx import amx_lib
+
+    return amx_lib() is not None
+
+
+def prefill_reference(q, k_cache, v_cache, bt_row, cached, q_len, scale, window):
+    """float64 softmax attention of ``q [q_len, H, D]`` (positions cached..cached+q_len-1) over the request's
+    gathered context, causal (and windowed: key j visible from position i iff 0 <= i - j < window)."""
+    H, D = q.shape[1], q.shape[2]
+    BS, KVH = k_cache.shape[1], k_cache.shape[2]
+    L = cached + q_len
+    pos = torch.arange(L)
+    slots = bt_row[pos // BS] * BS + pos % BS
+    k = k_cache.reshape(-1, KVH, D)[slots].double().repeat_interleave(H // KVH, 1).transpose(0, 1)  # [H, L, D]
+    v = v_cache.reshape(-1, KVH, D)[slots].double().repeat_interleave(H // KVH, 1).transpose(0, 1)
+    qpos, kpos = torch.arange(cached, L)[:, None], pos[None, :]
+    visible = kpos <= qpos
+    if window:
+        visible &= qpos - kpos < window
+    s = (q.double().transpose(0, 1) @ k.transpose(1, 2)) * scale
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+    return (p @ v).transpose(0, 1), v.abs().amax()  # [q_len, H, D], largest |V| of the context
+
+
+@pytest.mark.skipif(not _amx_attention_ready(), reason="no AMX-BF16 here")
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (8, 2, 128), (4, 4, 96), (2, 1, 32)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_amx_prefill_attention_matches_float64(H, KVH, D, window):
+    """All prefill slices of a step in one AMX call: fresh prompts, chunks after cached tokens (not multiples of 16
+    or 32), a 1-token slice, and a 300-token slice (many 16-query tiles, full key tiles and causal/window edges).
+    Unused cache memory holds NaN (block 0 and the slots past each context in its last block): none may leak in.
+    Bound: P and the output are each rounded to bf16 once (2^-9 relative), so |err| <= 2^-8 (max|V| + |ref|)."""
+    from pagedllm.attention.torch_attn import PrefillBatch
+
+    torch.manual_seed(0)
+    BS, NB = 16, 256
+    specs = [(0, 37), (20, 50), (100, 3), (5, 300), (64, 64), (7, 1)]  # (cached tokens, new tokens)
+    k_cache = torch.randn(NB, BS, KVH, D).bfloat16()
+    v_cache = torch.randn(NB, BS, KVH, D).bfloat16()
+    k_cache[0] = v_cache[0] = float("nan")
+    nblocks = [(c + n + BS - 1) // BS for c, n in specs]
+    perm = torch.randperm(NB - 1)[: sum(nblocks)] + 1
+    bt = torch.zeros(len(specs), max(nblocks), dtype=torch.int64)  # padding: block 0 (NaN)
+    used = 0
+    for i, (c, n) in enumerate(specs):
+        bt[i, : nblocks[i]] = perm[used : used + nblocks[i]]
+        used += nblocks[i]
+        last, fill = int(bt[i, nblocks[i] - 1]), (c + n) % BS
+        if fill:
+            k_cache[last, fill:] = v_cache[last, fill:] = float("nan")
+    q_lens = [n for _, n in specs]
+    starts = [sum(q_lens[:i]) + 2 * i for i in range(len(specs))]  # 2 decode rows between slices: not touched
+    T = starts[-1] + q_lens[-1]
+    qkv = torch.randn(T, (H + 2 * KVH) * D).bfloat16()
+    q = qkv[:, : H * D].view(T, H, D)  # a row-strided view, as the model passes it
+    out = torch.zeros(T, H, D, dtype=torch.bfloat16)
+    batch = PrefillBatch(q_starts=torch.tensor(starts), q_lens=torch.tensor(q_lens),
+                         seq_lens=torch.tensor([c + n for c, n in specs]), block_tables=bt)
+    scale = D ** -0.5
+    assert cpu_kernels.prefill_attention(q, k_cache, v_cache, batch, out, scale, window)
+    for i, (c, n) in enumerate(specs):
+        ref, vmax = prefill_reference(q[starts[i] : starts[i] + n], k_cache, v_cache, bt[i], c, n, scale, window)
+        got = out[starts[i] : starts[i] + n].double()
+        assert torch.isfinite(got).all()
+        bound = 2.0 ** -8 * (vmax + ref.abs())
+        assert ((got - ref).abs() <= bound).all(), (specs[i], (got - ref).abs().max().item())
+    touched = torch.zeros(T, dtype=torch.bool)
+    for s, n in zip(starts, q_lens):
+        touched[s : s + n] = True
+    assert (out[~touched] == 0).all()
+
+
+def test_amx_prefill_attention_declines_unsupported_shapes(monkeypatch):
+    """Shapes the kernel doesn't cover (float32, head_dim 16 or 256, block_size 8) and PAGEDLLM_AMX_ATTENTION=0
+    return False without touching ``out``, so ``Attention`` takes torch's SDPA path."""
+    from pagedllm.attention.torch_attn import PrefillBatch
+
+    batch = PrefillBatch(q_starts=torch.tensor([0]), q_lens=torch.tensor([4]), seq_lens=torch.tensor([4]),
+                         block_tables=torch.tensor([[1]]))
+    for dtype, D, BS in ((torch.float32, 64, 16), (torch.bfloat16, 16, 16), (torch.bfloat16, 256, 16),
+                         (torch.bfloat16, 64, 8)):
+        q = torch.randn(4, 2, D).to(dtype)
+        cache = torch.randn(2, 2, BS, 1, D).to(dtype)
+        out = torch.zeros_like(q)
+        assert not cpu_kernels.prefill_attention(q, cache[0], cache[1], batch, out, 1.0, None)
+        assert (out == 0).all()
+    monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", "0")
+    q = torch.randn(4, 2, 64).bfloat16()
+    cache = torch.randn(2, 2, 16, 1, 64).bfloat16()
+    assert not cpu_kernels.prefill_attention(q, cache[0], cache[1], batch, torch.zeros_like(q), 1.0, None)

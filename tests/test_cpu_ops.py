@@ -179,7 +179,8 @@ def test_rope_and_cache_matches_torch_path(dtype, H, KVH, D):
 @pytest.mark.parametrize("name", ["llama-tied-bias", "qwen2-bias", "gemma3", "deepseek-v2", "deepseek-v3"])
 def test_bf16_engine_with_packed_weights_equals_plain_weights(name, tmp_path_factory, monkeypatch):
     """The engine in bf16 packs every plain linear (not MLA's kv_b_proj, whose weight the model reads) and gives the
-    same greedy tokens as with plain weights, on the AMX kernel (where the CPU has it) and on oneDNN's."""
+    same greedy tokens as with plain weights, on the AMX kernel (where the CPU has it) and on oneDNN's, and with
+    prefill attention on the AMX kernel or on torch's SDPA (models with head_dim 32 take the AMX one)."""
     from test_models import _load_pair
 
     from pagedllm import LLM, SamplingParams
@@ -192,9 +193,10 @@ def test_bf16_engine_with_packed_weights_equals_plain_weights(name, tmp_path_fac
     kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
               quantization="none")
     runs = {}
-    for pack, amx in (("1", "1"), ("1", "0"), ("0", "1")):
+    for pack, amx, amx_attn in (("1", "1", "1"), ("1", "0", "1"), ("0", "1", "1"), ("1", "1", "0")):
         monkeypatch.setenv("PAGEDLLM_PACK_WEIGHTS", pack)
         monkeypatch.setenv("PAGEDLLM_AMX_LINEAR", amx)
+        monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", amx_attn)
         llm = LLM(folder, **kw)
         model = llm.llm_engine.engine_core.runner.model
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -204,8 +206,8 @@ def test_bf16_engine_with_packed_weights_equals_plain_weights(name, tmp_path_fac
             assert backends == {"onednn"}
         if pack == "1" and amx == "1" and amx_linear_supported():
             assert "amx" in backends
-        runs[pack + amx] = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
-    assert len(runs["11"]) == 8 and runs["11"] == runs["10"] == runs["01"]
+        runs[pack + amx + amx_attn] = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(runs["111"]) == 8 and runs["111"] == runs["101"] == runs["011"] == runs["110"]
 
 
 @pytest.mark.parametrize("command,env,expected", [

@@ -2,6 +2,8 @@
 
 Kernels (C + OpenMP, AVX-512 where the CPU has it, scalar C otherwise):
 - ``paged_decode`` (``csrc/paged_decode.c``): decode attention straight from the paged KV cache;
+- ``prefill_attention``: prefill attention on AMX tiles (``csrc/amx_attention.c``, built with the AMX linear kernel
+  by ``pagedllm.utils.amx``);
 - ``add_rms_norm``, ``silu_and_mul``, ``rope_and_cache``, ``argmax_rows`` (``csrc/cpu_ops.c``): fused element-wise
   passes that replace 2-8 torch ops each (per-op dispatch and OpenMP overhead dominate at decode batch sizes).
 
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pagedllm.utils.c_build import CLibrary
+
+if TYPE_CHECKING:
+    from pagedllm.attention.torch_attn import PrefillBatch
 
 _HDRS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("simd.h", "bf16.h")]
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("paged_decode.c", "cpu_ops.c")]
@@ -170,4 +175,38 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor,
     T = qkv.shape[0]
     fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), cos.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
        slot_mapping.data_ptr(), T, num_heads, num_kv_heads, head_dim)
+    return True
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: "PrefillBatch",
+                      out: torch.Tensor, scale: float, window: Optional[int]) -> bool:
+    """Causal attention of every prefill slice of a step, straight from the paged cache, on AMX tiles
+    (``csrc/amx_attention.c``); this step's K/V must already be in the cache.
+
+    Shapes: ``q [num_tokens, H, D]`` bf16 (rows may have a stride; ``q.stride(1) == D``), ``out`` the same,
+    contiguous; ``k_cache/v_cache [num_blocks, BS, KVH, D]`` bf16 contiguous. ``batch`` (``PrefillBatch``) gives each
+    slice's first row, new tokens and context length, and the block tables. Query ``i`` of a slice with ``c`` cached
+    tokens sees keys ``j <= c + i`` (and ``c + i - j < window`` with a sliding window). Returns False (doing nothing)
+    where the kernel can't run: no AMX, ``PAGEDLLM_AMX_ATTENTION=0``, not bf16, ``D % 32 != 0`` or ``D > 128``,
+    ``BS % 16 != 0``; the caller then uses torch's SDPA.
+    """
+    if os.environ.get("PAGEDLLM_AMX_ATTENTION", "1") == "0" or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return False
+    H, D = q.shape[1], q.shape[2]
+    BS, KVH = k_cache.shape[1], k_cache.shape[2]
+    if (D % 32 or D > 128 or BS % 16 or H % KVH or q.stride(2) != 1 or q.stride(1) != D
+            or k_cache.dtype != torch.bfloat16 or not (out.is_contiguous() and k_cache.is_contiguous()
+                                                      and v_cache.is_contiguous())):
+        return False
+    from pagedllm.utils.amx import amx_lib
+
+    lib = amx_lib()
+    if lib is None:
+        return False
+    ws = batch.workspace(KVH, D)
+    lib.amx_prefill_attention_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   batch.block_tables.data_ptr(), batch.block_tables.shape[1],
+                                   batch.q_starts.data_ptr(), batch.q_lens.data_ptr(), batch.seq_lens.data_ptr(),
+                                   batch.q_starts.shape[0], out.data_ptr(), H, KVH, D, BS, float(scale),
+                                   int(window or 0), ws.data_ptr())
     return True

@@ -6,7 +6,8 @@ Token ``t`` of a request lives at slot ``block_table[t // block_size] * block_si
 
 Per step, the runner flattens all scheduled tokens of all requests into ``num_tokens`` rows (request order), and
 builds one ``AttentionMetadata`` shared by every layer. Requests with a single query token (decode) are attended in
-one batched call; requests with several query tokens (prefill chunks) one call each.
+one batched call (``cpu_kernels.paged_decode``); requests with several query tokens (prefill chunks) all in one call
+of the AMX kernel (``cpu_kernels.prefill_attention``) where it runs, else one torch SDPA call each.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernels import paged_decode
+from pagedllm.attention.cpu_kernels import paged_decode, prefill_attention
 
 
 @dataclass
@@ -45,6 +46,31 @@ class PrefillSlice:
             bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
             self._bias[(windowed, dtype)] = bias
         return bias
+
+
+@dataclass
+class PrefillBatch:
+    """The prefill slices of a step as arrays, for the one-call AMX prefill kernel (``cpu_kernels.prefill_attention``).
+
+    Shapes: ``q_starts/q_lens/seq_lens [n]`` int64 (first row in the flattened batch, new tokens, context after the
+    step), ``block_tables [n, max_blocks]`` int64 contiguous.
+    """
+
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    _ws: dict = field(default_factory=dict, repr=False)
+
+    def workspace(self, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """The kernel's V^T scratch (``sum(KVH * D * ceil32(seq_len))`` bf16), allocated once per step and shared by
+        every layer."""
+        ws = self._ws.get((num_kv_heads, head_dim))
+        if ws is None:
+            padded = int(((self.seq_lens + 31) // 32 * 32).sum())
+            ws = torch.empty(num_kv_heads * head_dim * padded, dtype=torch.bfloat16)
+            self._ws[(num_kv_heads, head_dim)] = ws
+        return ws
 
 
 @dataclass
@@ -93,6 +119,7 @@ class AttentionMetadata:
     block_size: int
     decode: Optional[DecodeBatch] = None
     prefills: list[PrefillSlice] = field(default_factory=list)
+    prefill_batch: Optional[PrefillBatch] = None
 
 
 def build_attention_metadata(
@@ -155,6 +182,14 @@ def build_attention_metadata(
         if cached > 0:
             block_ids = block_tables[i, : (s + block_size - 1) // block_size]
         prefills.append(PrefillSlice(i, qsl[i], qsl[i + 1], s, block_ids, mask, mask_w))
+    prefill_batch = None
+    if prefills:
+        idx = [p.req_index for p in prefills]
+        prefill_batch = PrefillBatch(
+            q_starts=torch.tensor([p.q_start for p in prefills], dtype=torch.int64),
+            q_lens=torch.tensor([p.q_end - p.q_start for p in prefills], dtype=torch.int64),
+            seq_lens=torch.tensor([p.seq_len for p in prefills], dtype=torch.int64),
+            block_tables=block_tables[idx].contiguous())
     return AttentionMetadata(
         num_tokens=num_tokens,
         num_reqs=num_reqs,
@@ -165,6 +200,7 @@ def build_attention_metadata(
         block_size=block_size,
         decode=decode,
         prefills=prefills,
+        prefill_batch=prefill_batch,
     )
 
 
@@ -235,7 +271,11 @@ class Attention(torch.nn.Module):
                 qd.view(n, H, 1, D), kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa
             )  # [n, H, 1, D]
             out.index_copy_(0, dec.token_rows, od.view(n, H, D))
-        for p in meta.prefills:
+        prefills = meta.prefills
+        if prefills and prefill_attention(q, k_cache, v_cache, meta.prefill_batch, out, self.scale,
+                                          self.sliding_window):
+            prefills = ()  # all of them in one call of the AMX kernel, straight from the paged cache
+        for p in prefills:
             qp = q[p.q_start : p.q_end].transpose(0, 1)  # [H, q_len, D]
             if p.block_ids is None:
                 kp = k[p.q_start : p.q_end].transpose(0, 1)

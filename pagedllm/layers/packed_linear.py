@@ -21,7 +21,6 @@ table: those get an extra packed copy. Set ``PAGEDLLM_PACK_WEIGHTS=0`` to keep p
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from typing import Optional
@@ -30,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.config import cpu_flags
-from pagedllm.utils.c_build import CLibrary
+from pagedllm.utils.amx import amx_lib
 
 logger = logging.getLogger(__name__)
 
@@ -51,34 +49,10 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def _declare_amx(lib: ctypes.CDLL) -> None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.amx_linear_supported.argtypes, lib.amx_linear_supported.restype = [], ctypes.c_int
-    lib.amx_pack.argtypes, lib.amx_pack.restype = [ptr, i64, i64, ptr], None
-    lib.amx_linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    lib.amx_linear_bf16.restype = None
-
-
-_HERE = os.path.dirname(__file__)
-# The same math flags as the fused element-wise kernels (attention/csrc/cpu_ops.c), so the SiLU epilogue rounds alike.
-_AMX_LIB = CLibrary("amx_linear", [os.path.join(_HERE, "csrc", "amx_linear.c")],
-                    ["-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-ffast-math", "-fno-finite-math-only",
-                     "-fopenmp"], _declare_amx,
-                    headers=[os.path.join(_HERE, "..", "attention", "csrc", f) for f in ("simd.h", "bf16.h")])
-_AMX_OK: Optional[bool] = None
-
-
 def amx_linear_supported() -> bool:
     """Whether the AMX bf16 kernel can run here: the CPU has AMX-TILE/AMX-BF16, the kernel built, the OS granted the
     tile state, and ``PAGEDLLM_AMX_LINEAR`` isn't ``0``. Cached after the first call."""
-    global _AMX_OK
-    if os.environ.get("PAGEDLLM_AMX_LINEAR", "1") == "0":
-        return False
-    if _AMX_OK is None:
-        ok = {"amx_tile", "amx_bf16"} <= cpu_flags()  # don't even build the kernel on other CPUs
-        lib = _AMX_LIB.get() if ok else None
-        _AMX_OK = bool(lib is not None and lib.amx_linear_supported())
-    return _AMX_OK
+    return os.environ.get("PAGEDLLM_AMX_LINEAR", "1") != "0" and amx_lib() is not None
 
 
 class PackedLinear(nn.Module):
@@ -107,14 +81,14 @@ class PackedLinear(nn.Module):
                     w = _interleave_halves(w)
                     b32 = None if b32 is None else _interleave_halves(b32[:, None])[:, 0].contiguous()
                 packed = torch.empty(w.numel(), dtype=torch.bfloat16)
-                _AMX_LIB.get().amx_pack(w.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
+                amx_lib().amx_pack(w.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         # The AMX kernel adds a float32 bias (in packed row order) before its one rounding.
         self._bias_f32 = b32 if self.backend == "amx" else None
-        self._amx = _AMX_LIB.get().amx_linear_bf16 if self.backend == "amx" else None
+        self._amx = amx_lib().amx_linear_bf16 if self.backend == "amx" else None
         # Raw pointers for the kernel call, with references that keep their tensors alive.
         self._w, self._w_ptr = packed, (packed.data_ptr() if self.backend == "amx" else None)
         self._b_ptr = None if self._bias_f32 is None else self._bias_f32.data_ptr()

@@ -26,24 +26,14 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "../../attention/csrc/simd.h" /* silu16, round16_bf16, store16_bf16_bits: as in csrc/cpu_ops.c silu_mul */
+#include "amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature (arch/x86/include/uapi) */
-#define XFEATURE_XTILEDATA 18
 #define PREFETCH_BLOCKS 8 /* weight K blocks (2 KB each) prefetched ahead of the one being multiplied */
 #define ROW_CHUNK 256     /* rows of x per pass over the weights: 256 x K bf16 stays in L2 (K <= 4096) */
 
-/* 1 when the CPU has AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22) and Linux lets this
- * process use the tile state; else 0. */
-int amx_linear_supported(void) {
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 22) & 1)) return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int amx_supported(void) { return amx_request_tiles(); }
 
 /* W [N, K] bf16 row-major -> P (N * K bf16) in the layout above. */
 void amx_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *P) {
@@ -61,13 +51,6 @@ void amx_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *P) {
                     }
         }
 }
-
-typedef struct {
-    uint8_t palette_id, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
 
 /* Loads a tile configuration for row tiles of m0 and m1 rows (m1 = 0: one row tile in use). */
 static inline void config_tiles(int m0, int m1) {

@@ -1,0 +1,30 @@
+/* Shared by pagedllm's AMX kernels (amx_linear.c, attention/csrc/amx_attention.c), compiled into one library.
+ * Instruction and tile-configuration semantics: Intel Architecture Instruction Set Extensions Programming Reference,
+ * ch. 3 (LDTILECFG, TILELOADD, TDPBF16PS); the permission request: Linux arch/x86/include/uapi/asm/prctl.h. */
+#ifndef PAGEDLLM_AMX_H
+#define PAGEDLLM_AMX_H
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature (arch/x86/include/uapi) */
+#define XFEATURE_XTILEDATA 18
+
+/* The 64-byte operand of LDTILECFG (palette 1): bytes per row and rows of each of the 8 tiles. */
+typedef struct {
+    uint8_t palette_id, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* 1 when the CPU has AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22) and Linux lets this
+ * process use the tile state; else 0. Exported once, as amx_supported (amx_linear.c). */
+static inline int amx_request_tiles(void) {
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 24) & 1) || !((d >> 22) & 1)) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+#endif
