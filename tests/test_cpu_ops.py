@@ -92,6 +92,12 @@ def test_amx_linear_matches_float64(bias):
             bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().T) * 2.0 ** -20
             err = (packed(x).double() - ref).abs()
             assert (err <= bound).all(), (out_f, in_f, rows, (err - bound).max().item())
+            # float32 output (the LM head's logits): no bf16 rounding, so only the summation term is left
+            out32 = packed.forward_f32(x)
+            assert out32.dtype == torch.float32
+            bound32 = ref.abs() * 2.0 ** -23 + (x.double().abs() @ w.double().abs().T) * 2.0 ** -20
+            err32 = (out32.double() - ref).abs()
+            assert (err32 <= bound32).all(), (out_f, in_f, rows, (err32 - bound32).max().item())
     assert PackedLinear(torch.randn(48, 64).bfloat16(), None).backend == "onednn"  # 48 % 32 != 0
 
 

@@ -93,13 +93,13 @@ class PackedLinear(nn.Module):
         self._w, self._w_ptr = packed, (packed.data_ptr() if self.backend == "amx" else None)
         self._b_ptr = None if self._bias_f32 is None else self._bias_f32.data_ptr()
 
-    def _run(self, x: torch.Tensor, mode: int, n_out: int) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, mode: int, n_out: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():  # the model's rows come as they are
             lead = x.shape[:-1]
             x = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-            return self._run(x, mode, n_out).view(*lead, n_out)
+            return self._run(x, mode, n_out, dtype).view(*lead, n_out)
         m = x.shape[0]
-        out = torch.empty((m, n_out), dtype=torch.bfloat16)
+        out = torch.empty((m, n_out), dtype=dtype)
         if m:  # a decode step calls this ~120 times: no per-call work beyond the kernel
             self._amx(x.data_ptr(), m, self.in_features, self._w_ptr, self.out_features, self._b_ptr, out.data_ptr(),
                       mode)
@@ -109,6 +109,14 @@ class PackedLinear(nn.Module):
         if self._amx is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return self._run(x, 1 if self.gated else 0, self.out_features)
+
+    def forward_f32(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``x @ W.T + b`` as float32 ``[..., out_features]``: the AMX kernel's fp32 sums without the bf16 rounding
+        (for logits: a bf16 logit of magnitude 8-16 is only resolved to 1/16, so near-ties turn into exact ties).
+        None on the oneDNN backend or a gated layer."""
+        if self._amx is None or self.gated:
+            return None
+        return self._run(x, 3, self.out_features, torch.float32)
 
     def forward_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` ``[..., out_features / 2]`` in one kernel, or None when this layer wasn't packed gated."""
@@ -147,11 +155,12 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 
 def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``hidden [N, hidden] -> logits [N, vocab]`` in the model dtype, through the packed head when there is one."""
+    """``hidden [N, hidden] -> logits [N, vocab]`` through the packed head when there is one: float32 when that head
+    runs on the AMX kernel (its fp32 sums, unrounded), else in the model dtype."""
     packed = getattr(model, "lm_head_packed", None)
+    if packed is None and isinstance(model.lm_head, PackedLinear):
+        packed = model.lm_head
     if packed is not None:
-        return packed(hidden_states)
-    head = model.lm_head
-    if isinstance(head, PackedLinear):
-        return head(hidden_states)
-    return F.linear(hidden_states, head.weight)
+        logits = packed.forward_f32(hidden_states)
+        return packed(hidden_states) if logits is None else logits
+    return F.linear(hidden_states, model.lm_head.weight)

@@ -75,8 +75,17 @@ static inline void store_rows(const float *acc, int rows, const float *bias, uin
 
 /* The 16 x 16 results of one group's two column tiles (acc0, acc1; fp32, row stride 16) for `rows` rows. */
 static inline void emit(const float *acc0, const float *acc1, int rows, const float *b0, const float *b1,
-                        uint16_t *out, int64_t N, int64_t g, int mode) {
-    if (mode == 0) { /* plain: the group's 32 consecutive columns */
+                        void *outv, int64_t N, int64_t g, int mode) {
+    uint16_t *out = (uint16_t *)outv;
+    if (mode == 3) { /* plain layout, float32 out (the fp32 sums + bias, not rounded; e.g. logits) */
+        const __m512 bv0 = b0 ? _mm512_loadu_ps(b0) : _mm512_setzero_ps();
+        const __m512 bv1 = b1 ? _mm512_loadu_ps(b1) : _mm512_setzero_ps();
+        float *of = (float *)out + 32 * g;
+        for (int r = 0; r < rows; r++) {
+            _mm512_storeu_ps(of + r * N, _mm512_add_ps(_mm512_load_ps(acc0 + 16 * r), bv0));
+            _mm512_storeu_ps(of + r * N + 16, _mm512_add_ps(_mm512_load_ps(acc1 + 16 * r), bv1));
+        }
+    } else if (mode == 0) { /* plain: the group's 32 consecutive columns */
         store_rows(acc0, rows, b0, out + 32 * g, N);
         store_rows(acc1, rows, b1, out + 32 * g + 16, N);
     } else if (mode == 1) { /* gated layout, [gate | up] */
@@ -95,10 +104,13 @@ static inline void emit(const float *acc0, const float *acc1, int rows, const fl
 }
 
 /* x [M, K] bf16 (row stride K), P packed by amx_pack, bias [N] fp32 (in packed row order) or NULL -> out bf16:
- * mode 0: [M, N]; mode 1 (gated packing): [M, N] as [gate | up]; mode 2 (gated packing): silu(gate) * up [M, N/2]. */
+ * mode 0: [M, N]; mode 1 (gated packing): [M, N] as [gate | up]; mode 2 (gated packing): silu(gate) * up [M, N/2];
+ * mode 3: [M, N] float32 (`out` points to float32 memory). */
 void amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
-                     uint16_t *out, int mode) {
+                     void *out, int mode) {
     const int64_t KB = K / 32, G = N / 32;
+    const int64_t ldo = mode == 2 ? N / 2 : N;     /* output row stride, elements */
+    const int64_t esz = mode == 3 ? 4 : 2;          /* output element size, bytes */
 #pragma omp parallel
     {
         float acc[2][16 * 16] __attribute__((aligned(64)));
@@ -144,12 +156,12 @@ void amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P,
                     }
                     _tile_stored(0, acc[0], 64);
                     _tile_stored(1, acc[1], 64);
-                    uint16_t *ob = out + mb * (mode == 2 ? N / 2 : N);
+                    char *ob = (char *)out + mb * ldo * esz;
                     emit(acc[0], acc[1], m0, b0, b1, ob, N, g, mode);
                     if (m1) {
                         _tile_stored(2, acc[0], 64);
                         _tile_stored(3, acc[1], 64);
-                        emit(acc[0], acc[1], m1, b0, b1, ob + 16 * (mode == 2 ? N / 2 : N), N, g, mode);
+                        emit(acc[0], acc[1], m1, b0, b1, ob + 16 * ldo * esz, N, g, mode);
                     }
                 }
             }
