@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.utils.amx import amx_lib
+from pagedllm.utils.hugepages import zeros_in_hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,13 @@ class PackedLinear(nn.Module):
     ``attention.cpu_kernels.silu_and_mul``.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_gated: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_gated: bool = False,
+                 storage: Optional[torch.Tensor] = None) -> None:
+        """``storage``: where the AMX backend packs the weight (``weight.numel()`` bf16, e.g. a slice of one
+        huge-page arena, see ``pack_linear_weights``); a new tensor when None."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.backend = ("amx" if self.out_features % 32 == 0 and self.in_features % 32 == 0
-                        and amx_linear_supported() else "onednn")
+        self.backend = "amx" if self.uses_amx(self.out_features, self.in_features) else "onednn"
         self.gated = self.backend == "amx" and silu_gated and self.out_features % 64 == 0
         with torch.no_grad():
             w = weight.detach().contiguous()
@@ -80,7 +83,7 @@ class PackedLinear(nn.Module):
                 if self.gated:  # each 32-row group: 16 gate rows, then the 16 matching up rows
                     w = _interleave_halves(w)
                     b32 = None if b32 is None else _interleave_halves(b32[:, None])[:, 0].contiguous()
-                packed = torch.empty(w.numel(), dtype=torch.bfloat16)
+                packed = torch.empty(w.numel(), dtype=torch.bfloat16) if storage is None else storage
                 amx_lib().amx_pack(w.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
@@ -92,6 +95,11 @@ class PackedLinear(nn.Module):
         # Raw pointers for the kernel call, with references that keep their tensors alive.
         self._w, self._w_ptr = packed, (packed.data_ptr() if self.backend == "amx" else None)
         self._b_ptr = None if self._bias_f32 is None else self._bias_f32.data_ptr()
+
+    @staticmethod
+    def uses_amx(out_features: int, in_features: int) -> bool:
+        """Whether a layer of this shape gets the AMX backend here."""
+        return out_features % 32 == 0 and in_features % 32 == 0 and amx_linear_supported()
 
     def _run(self, x: torch.Tensor, mode: int, n_out: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():  # the model's rows come as they are
@@ -141,16 +149,22 @@ def pack_linear_weights(model: nn.Module) -> int:
     # ``keep_weight``: a layer whose ``.weight`` the model reads directly (e.g. MLA's kv_b_proj) stays plain.
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is nn.Linear and not getattr(m, "keep_weight", False)]
+    head = getattr(model, "lm_head", None)
+    weights = [m.weight for _, m in targets] + ([head.weight] if isinstance(head, nn.Embedding) else [])
+    # The AMX layers' packed weights all go into one huge-page-backed arena (what a decode step streams).
+    amx = [w for w in weights if w.dtype == torch.bfloat16 and PackedLinear.uses_amx(*w.shape)]
+    arena = iter(zeros_in_hugepages([(w.numel(),) for w in amx], torch.bfloat16, prefault=False))
+    storage = {id(w): next(arena) for w in amx}
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = PackedLinear(m.weight, m.bias, silu_gated=getattr(m, "silu_gated", False))
+        packed = PackedLinear(m.weight, m.bias, silu_gated=getattr(m, "silu_gated", False),
+                              storage=storage.get(id(m.weight)))
         if hasattr(m, "output_sizes"):
             packed.output_sizes = m.output_sizes
         setattr(parent, attr, packed)
-    head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Embedding):
-        model.lm_head_packed = PackedLinear(head.weight, None)
+        model.lm_head_packed = PackedLinear(head.weight, None, storage=storage.get(id(head.weight)))
     return len(targets) + (1 if isinstance(head, nn.Embedding) else 0)
 
 

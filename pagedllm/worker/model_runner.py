@@ -28,6 +28,7 @@ from pagedllm.layers.sampler import (
     compute_prompt_logprobs,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils.hugepages import zeros_in_hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,12 @@ def kv_cache_bytes_per_block(kv_spec: Sequence[KVCacheSpec], block_size: int, dt
 
 def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``)."""
-    return [torch.zeros(spec.cache_shape(num_blocks, block_size), dtype=dtype, device=device)
-            for spec in as_kv_cache_specs(kv_spec)]
+    """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``). On CPU they share one
+    huge-page-backed mapping (``pagedllm.utils.hugepages``: decode attention reads random blocks of it)."""
+    shapes = [spec.cache_shape(num_blocks, block_size) for spec in as_kv_cache_specs(kv_spec)]
+    if torch.device(device).type == "cpu":
+        return zeros_in_hugepages(shapes, dtype)
+    return [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
 
 
 def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
