@@ -19,7 +19,8 @@
  *   2. P = exp(S - max) in fp32 (sums in fp32), paired rows of P^T rounded to bf16 into VNNI "B" tiles, as
  *      FlashAttention-2 rounds P before the P.V product (Dao, 2023).
  *   3. O^T [D x 16 queries] = V^T P^T on tiles: V^T (dims x keys) is the "A" tile, from the workspace `vt`, which
- *      holds each (slice, KV head)'s V transposed, keys zero-padded to a multiple of 32 (built first, in parallel).
+ *      holds each (slice, KV head)'s V transposed, keys zero-padded to a multiple of 32 (built first, in parallel,
+ *      32 keys at a time with an in-register transpose).
  * Then out = O / sum, rounded once to bf16. Masked keys get p = 0 exactly. Cache rows past seq_len in the last block
  * are read by the tile loads but always masked.
  */
@@ -75,6 +76,51 @@ static inline void store_acc(int t, float* p) {
     }
 }
 
+/* In-register transpose of a 16 x 16 matrix of 32-bit elements (r[i] = row i in, column i out): unpack 32- and
+ * 64-bit pairs within 128-bit lanes, then a 4 x 4 transpose of the lanes. */
+static inline void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c], lane L: rows 4i..4i+3 of column 4L + c */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* column 4L + c = lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
+        const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i s2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE), s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(s0, s1, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(s0, s1, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(s2, s3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(s2, s3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* 32 keys of V (rows[j]: key j's D values of one head, NULL = past the context: zeros) -> dst[d * cp + j], the
+ * transposed layout pass 3 loads as "A" tiles. Keys 2p and 2p+1 are interleaved into 16 (V[2p][d], V[2p+1][d])
+ * pairs per 16 dims, and the 16 x 16 matrix of pairs is transposed: row d then holds the 32 keys in order. */
+static inline void vt_chunk(const uint16_t* const rows[32], int D, uint16_t* dst, int64_t cp) {
+    const __m512i ilv = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int dg = 0; dg < D / 16; dg++) {
+        __m512i m[16];
+        for (int p = 0; p < 16; p++) {
+            const __m256i a = rows[2 * p] ? _mm256_loadu_si256((const __m256i*)(rows[2 * p] + 16 * dg))
+                                          : _mm256_setzero_si256();
+            const __m256i b = rows[2 * p + 1] ? _mm256_loadu_si256((const __m256i*)(rows[2 * p + 1] + 16 * dg))
+                                              : _mm256_setzero_si256();
+            m[p] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), ilv, _mm512_castsi256_si512(b));
+        }
+        transpose16x16_epi32(m);
+        for (int d = 0; d < 16; d++) _mm512_storeu_si512((void*)(dst + (int64_t)(16 * dg + d) * cp), m[d]);
+    }
+}
+
 /* Slice of a flat index, given the prefix sums off[0..n] (n is small: the prefills of one step). */
 static inline int slice_of(const int64_t* off, int64_t x) {
     int i = 0;
@@ -110,15 +156,12 @@ void amx_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
             const int kh = (int)(local / nchunk);
             const int64_t k0 = (local % nchunk) * 32;
             const int64_t* bt = block_tables + (int64_t)i * max_blocks;
-            uint16_t* dst = vt + vt_off[i] + (int64_t)kh * D * cp;
-            for (int64_t k = k0; k < k0 + 32; k++) {
-                if (k < L) {
-                    const uint16_t* src = v_cache + (bt[k / BS] * BS + k % BS) * row_elems + (int64_t)kh * D;
-                    for (int d = 0; d < D; d++) dst[d * cp + k] = src[d];
-                } else {
-                    for (int d = 0; d < D; d++) dst[d * cp + k] = 0;
-                }
+            const uint16_t* rows[32];
+            for (int j = 0; j < 32; j++) {
+                const int64_t k = k0 + j;
+                rows[j] = k < L ? v_cache + (bt[k / BS] * BS + k % BS) * row_elems + (int64_t)kh * D : NULL;
             }
+            vt_chunk(rows, D, vt + vt_off[i] + (int64_t)kh * D * cp + k0, cp);
         }
         config_tiles_16x64();
         float* S = (float*)aligned_alloc(64, sizeof(float) * 16 * (size_t)max_ctx);       /* S^T, then unused */
