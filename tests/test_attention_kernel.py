@@ -175,3 +175,34 @@ def test_amx_prefill_attention_declines_unsupported_shapes(monkeypatch):
     q = torch.randn(4, 2, 64).bfloat16()
     cache = torch.randn(2, 2, 16, 1, 64).bfloat16()
     assert not cpu_kernels.prefill_attention(q, cache[0], cache[1], batch, torch.zeros_like(q), 1.0, None)
+
+
+@pytest.mark.parametrize("amx", ["1", "0"])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (12, 2, 64), (6, 2, 128)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_decode_kernel_block16_matches_reference(amx, H, KVH, D, window, monkeypatch):
+    """block_size 16 (whole 16-token tiles inside a block): the score pass runs on AMX tiles where they are
+    available (PAGEDLLM_AMX_ATTENTION=1) and on vdpbf16ps otherwise; both against float64. Cache rows past each
+    context in its last block hold NaN, which the tile loads read and must mask out."""
+    if cpu_kernels.get_lib() is None:
+        pytest.fail("the CPU kernel failed to build (is gcc installed?)")
+    monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", amx)
+    torch.manual_seed(0)
+    BS, NB = 16, 160
+    k_cache = torch.randn(NB, BS, KVH, D).bfloat16()
+    v_cache = torch.randn(NB, BS, KVH, D).bfloat16()
+    seq_lens = torch.tensor([1, 16, 17, 100, 333, 48, 5], dtype=torch.int64)
+    n, max_blocks = len(seq_lens), 21
+    block_tables = (torch.randperm(NB - 1)[: n * max_blocks] + 1).view(n, max_blocks).contiguous()
+    for r, L in enumerate(seq_lens.tolist()):
+        if L % BS:
+            last = int(block_tables[r, L // BS])
+            k_cache[last, L % BS :] = float("nan")
+            v_cache[last, L % BS :] = float("nan")
+    qkv = torch.randn(n, (H + 2 * KVH) * D).bfloat16()
+    q = qkv[:, : H * D].view(n, H, D)
+    out = torch.zeros(n, H, D, dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(D)
+    assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, out, scale, window)
+    ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, window)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)

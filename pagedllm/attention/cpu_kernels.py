@@ -1,7 +1,8 @@
 """Builds (once, with the system C compiler) and loads pagedllm's CPU kernels, and wraps them for torch tensors.
 
 Kernels (C + OpenMP, AVX-512 where the CPU has it, scalar C otherwise):
-- ``paged_decode`` (``csrc/paged_decode.c``): decode attention straight from the paged KV cache;
+- ``paged_decode`` (``csrc/paged_decode.c``): decode attention straight from the paged KV cache (its score pass on
+  AMX tiles where the AMX library runs);
 - ``prefill_attention``: prefill attention on AMX tiles (``csrc/amx_attention.c``, built with the AMX linear kernel
   by ``pagedllm.utils.amx``);
 - ``add_rms_norm``, ``silu_and_mul``, ``rope_and_cache``, ``argmax_rows`` (``csrc/cpu_ops.c``): fused element-wise
@@ -37,6 +38,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
+    lib.paged_decode_use_amx.argtypes, lib.paged_decode_use_amx.restype = [ctypes.c_int], None
     for name in ("add_rms_norm_bf16", "add_rms_norm_f32"):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
@@ -78,6 +80,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return False
     if q.dtype == torch.bfloat16:
         fn = lib.paged_decode_bf16
+        _sync_decode_amx(lib)
     elif q.dtype == torch.float32:
         fn = lib.paged_decode_f32
     else:
@@ -93,6 +96,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
        seq_lens.data_ptr(), rows.data_ptr() if rows is not None else None, out.data_ptr(), n, H, KVH, D, BS,
        float(scale), int(window or 0), q.stride(0))
     return True
+
+
+_DECODE_AMX: Optional[bool] = None
+
+
+def _sync_decode_amx(lib: ctypes.CDLL) -> None:
+    """Switches the decode kernel's AMX score pass on where the AMX library runs (it holds the process's tile
+    state) and ``PAGEDLLM_AMX_ATTENTION`` isn't ``0``; read on every call, so the switch can be flipped at run time."""
+    global _DECODE_AMX
+    want = os.environ.get("PAGEDLLM_AMX_ATTENTION", "1") != "0" and _amx_lib() is not None
+    if want != _DECODE_AMX:
+        lib.paged_decode_use_amx(int(want))
+        _DECODE_AMX = want
+
+
+def _amx_lib() -> Optional[ctypes.CDLL]:
+    from pagedllm.utils.amx import amx_lib  # the AMX library also asks the OS for the tile state
+
+    return amx_lib()
 
 
 _FUSED: dict = {}
@@ -198,9 +220,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             or k_cache.dtype != torch.bfloat16 or not (out.is_contiguous() and k_cache.is_contiguous()
                                                       and v_cache.is_contiguous())):
         return False
-    from pagedllm.utils.amx import amx_lib
-
-    lib = amx_lib()
+    lib = _amx_lib()
     if lib is None:
         return False
     ws = batch.workspace(KVH, D)

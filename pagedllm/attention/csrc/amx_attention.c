@@ -31,18 +31,7 @@
 #include <string.h>
 
 #include "simd.h"                      /* exp16, store16_bf16_bits */
-#include "../../layers/csrc/amx.h"     /* tilecfg_t */
-
-static void config_tiles_16x64(void) { /* all 8 tiles: 16 rows x 64 bytes */
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+#include "../../layers/csrc/amx.h"     /* config_tiles_16x64 */
 
 static inline int64_t pad32(int64_t x) { return (x + 31) & ~(int64_t)31; }
 

@@ -216,16 +216,67 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
  * the K pass; 8 to 48 tokens measured the same. */
 #define V_PREFETCH_TOKENS 16
 #define K_PREFETCH_TOKENS 16
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX score pass: a 16-token tile's K rows (one cache block when BS % 16 == 0) are the "A" tile, loaded straight
+ * from the cache at a row stride of KVH * D; Q^T of the G query heads is held in up to 4 VNNI "B" tiles (G of their
+ * 16 columns used); the 16 x G scores come out of one accumulator tile. TDPBF16PS sums exact bf16 products in fp32,
+ * like vdpbf16ps. On only when the process holds the AMX tile state (paged_decode_use_amx, set from Python once
+ * pagedllm.utils.amx has asked for it). Tiles: 0 = scores, 4 = K rows, 2/3/5/6 = Q^T for dims 0-31/.../96-127. */
+#include "../../layers/csrc/amx.h"
+#define HAVE_AMX_SCORES 1
+static int g_use_amx = 0;
+void paged_decode_use_amx(int on) { g_use_amx = on; }
+
+static inline void qk_tile_half(int c, const uint16_t* kp, int64_t stride) {
+    _tile_loadd(4, kp + 32 * c, stride);
+    switch (c) {
+        case 0: _tile_dpbf16ps(0, 4, 2); break;
+        case 1: _tile_dpbf16ps(0, 4, 3); break;
+        case 2: _tile_dpbf16ps(0, 4, 5); break;
+        default: _tile_dpbf16ps(0, 4, 6); break;
+    }
+}
+
+static inline void load_q_tile(int c, const void* p) {
+    switch (c) {
+        case 0: _tile_loadd(2, p, 64); break;
+        case 1: _tile_loadd(3, p, 64); break;
+        case 2: _tile_loadd(5, p, 64); break;
+        default: _tile_loadd(6, p, 64); break;
+    }
+}
+#else
+#define HAVE_AMX_SCORES 0
+static const int g_use_amx = 0;
+void paged_decode_use_amx(int on) { (void)on; }
+#endif
 static inline __attribute__((always_inline)) void dp_task(
         const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int L, int start,
         int64_t row, uint16_t* out, int H, int KVH, int kh, int BS, float scale, int64_t q_stride, const int G,
-        const int ND, float* s) {
+        const int ND, float* s, const int amx) {
     const int D = ND * 16, ctx = L - start, NP = ND / 2;
     __m512bh qv[6][4];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < NP; ++c)
             qv[g][c] = (__m512bh)_mm512_loadu_si512((const void*)(q + row * q_stride + ((int64_t)kh * G + g) * D
                                                                    + 32 * c));
+#if HAVE_AMX_SCORES
+    float cbuf[16 * 16] __attribute__((aligned(64)));
+    const __m512i col_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(16)); /* column g of cbuf: elements g + 16 i */
+    if (amx) { /* Q^T as VNNI B tiles: qb[c][r][n] = dims (32 c + 2 r, +1) of query head n, as one 32-bit pair */
+        uint32_t qb[4][16 * 16] __attribute__((aligned(64)));
+        for (int c = 0; c < NP; ++c) {
+            for (int i = 0; i < 256; ++i) qb[c][i] = 0;
+            for (int n = 0; n < G; ++n) {
+                const uint32_t* qp = (const uint32_t*)(q + row * q_stride + ((int64_t)kh * G + n) * D + 32 * c);
+                for (int r = 0; r < 16; ++r) qb[c][r * 16 + n] = qp[r];
+            }
+            load_q_tile(c, qb[c]);
+        }
+    }
+#endif
     __m512 mxv[6];
     for (int g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-INFINITY);
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -251,6 +302,19 @@ static inline __attribute__((always_inline)) void dp_task(
                 for (int c = 0; c < D * 2; c += 64) _mm_prefetch((const char*)(v_cache + off) + c, _MM_HINT_T1);
             }
         }
+#if HAVE_AMX_SCORES
+        if (amx) { /* rows past L (same block) are read but masked out by km */
+            _tile_zero(0);
+            for (int c = 0; c < NP; ++c) qk_tile_half(c, rowp[0], row_elems * 2);
+            _tile_stored(0, cbuf, 64);
+            for (int g = 0; g < G; ++g) {
+                const __m512 sv = _mm512_mul_ps(_mm512_i32gather_ps(col_idx, cbuf + g, 4), vscale);
+                _mm512_mask_storeu_ps(s + (int64_t)g * ctx + (t0 - start), km, sv);
+                mxv[g] = _mm512_mask_max_ps(mxv[g], km, mxv[g], sv);
+            }
+            continue;
+        }
+#endif
         for (int g = 0; g < G; ++g) {
             __m512 dots[16];
             for (int i = 0; i < 16; ++i) {
@@ -316,10 +380,12 @@ static inline __attribute__((always_inline)) void dp_task(
 static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt,
                        int L, int start, int64_t row, uint16_t* out, int H, int KVH, int h0, int h1, int G, int BS,
                        float scale, int64_t q_stride, int ND, float* s) {
+    /* the AMX score pass needs whole 16-token tiles inside one block, and at most 4 Q^T tiles */
+    const int amx = g_use_amx && BS % 16 == 0 && start % 16 == 0 && ND <= 8;
 #define DP_CASE(G_, ND_)                                                                                      \
     case (G_) * 16 + (ND_):                                                                                   \
         for (int kh = h0; kh < h1; ++kh)                                                                      \
-            dp_task(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, kh, BS, scale, q_stride, G_, ND_, s); \
+            dp_task(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, kh, BS, scale, q_stride, G_, ND_, s, amx); \
         return 1;
     switch (G * 16 + ND) {
         DP_CASE(1, 4) DP_CASE(2, 4) DP_CASE(3, 4) DP_CASE(4, 4) DP_CASE(5, 4) DP_CASE(6, 4)
@@ -329,10 +395,20 @@ static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_
 #undef DP_CASE
 }
 #define TRY_FAST_bf16(...) dp_dispatch(__VA_ARGS__)
+#if HAVE_AMX_SCORES /* each thread of the region configures its tiles once (bf16 only) */
+#define AMX_TILES_WANTED(T, BS) (sizeof(T) == 2 && g_use_amx && (BS) % 16 == 0)
+#define AMX_CONFIG() config_tiles_16x64()
+#define AMX_RELEASE() _tile_release()
+#endif
 #else
 #define TRY_FAST_bf16(...) 0
 #endif
 #define TRY_FAST_f32(...) 0
+#ifndef AMX_TILES_WANTED
+#define AMX_TILES_WANTED(T, BS) 0
+#define AMX_CONFIG() ((void)0)
+#define AMX_RELEASE() ((void)0)
+#endif
 
 
 /* Work split: one task per request (all its KV heads: sequential memory) when there are enough requests to keep
@@ -357,6 +433,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         float* qf = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                 \
         float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                \
         float* ktile = (float*)aligned_alloc(64, sizeof(float) * (size_t)16 * D);                             \
+        const int tiles = AMX_TILES_WANTED(T, BS);                                                            \
+        if (tiles) AMX_CONFIG();                                                                              \
         _Pragma("omp for schedule(dynamic, 1)")                                                               \
         for (int task = 0; task < n * split; ++task) {                                                        \
             const int r = task / split, h0 = (task % split) * hpt, h1 = h0 + hpt;                             \
@@ -381,6 +459,7 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             }                                                                                                 \
         }                                                                                                     \
         free(s); free(qf); free(acc); free(ktile);                                                            \
+        if (tiles) AMX_RELEASE();                                                                             \
     }                                                                                                         \
 }
 
@@ -391,3 +470,7 @@ DEFINE_DECODE_SCALAR(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_DECODE_SCALAR(paged_decode_f32, float, f32_id, f32_id)
 #endif
 
+
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+void paged_decode_use_amx(int on) { (void)on; } /* no AMX score pass in this build */
+#endif

@@ -1,9 +1,12 @@
-/* Shared by pagedllm's AMX kernels (amx_linear.c, attention/csrc/amx_attention.c), compiled into one library.
+/* Shared by pagedllm's AMX kernels (amx_linear.c and attention/csrc/amx_attention.c, compiled into one library, and
+ * the AMX score pass of attention/csrc/paged_decode.c).
  * Instruction and tile-configuration semantics: Intel Architecture Instruction Set Extensions Programming Reference,
  * ch. 3 (LDTILECFG, TILELOADD, TDPBF16PS); the permission request: Linux arch/x86/include/uapi/asm/prctl.h. */
 #ifndef PAGEDLLM_AMX_H
 #define PAGEDLLM_AMX_H
+#include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -17,6 +20,18 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tilecfg_t;
+
+/* Loads a configuration with all 8 tiles 16 rows x 64 bytes (the attention kernels' only shape). */
+static inline void config_tiles_16x64(void) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
 
 /* 1 when the CPU has AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22) and Linux lets this
  * process use the tile state; else 0. Exported once, as amx_supported (amx_linear.c). */
