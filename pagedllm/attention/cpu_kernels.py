@@ -26,7 +26,8 @@ from pagedllm.utils.c_build import CLibrary
 if TYPE_CHECKING:
     from pagedllm.attention.torch_attn import PrefillBatch
 
-_HDRS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("simd.h", "bf16.h")]
+_HDRS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("simd.h", "bf16.h")] + [
+    os.path.join(os.path.dirname(__file__), "..", "layers", "csrc", "amx.h")]  # paged_decode.c's AMX score pass
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("paged_decode.c", "cpu_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 

@@ -35,27 +35,8 @@
 
 static inline int64_t pad32(int64_t x) { return (x + 31) & ~(int64_t)31; }
 
-/* Tile use: pass 1: 0 = S^T of 16 keys, 4 = K rows, 2/3/5/6 = Q^T for dims 0-31/32-63/64-95/96-127.
+/* Tile use: pass 1 (amx.h's score tiles): 0 = S^T of 16 keys, 4 = K rows, 2/3/5/6 = Q^T for dims 0-31/.../96-127.
  *           pass 3: 0-3 = O^T accumulators (16 dims each), 4 = V^T, 5 = P^T. (Tile numbers must be constants.) */
-static inline void qk_half(int hh, const uint16_t* kp, int64_t stride) {
-    _tile_loadd(4, kp + 32 * hh, stride);
-    switch (hh) {
-        case 0: _tile_dpbf16ps(0, 4, 2); break;
-        case 1: _tile_dpbf16ps(0, 4, 3); break;
-        case 2: _tile_dpbf16ps(0, 4, 5); break;
-        default: _tile_dpbf16ps(0, 4, 6); break;
-    }
-}
-
-static inline void load_qt(int hh, const void* p) {
-    switch (hh) {
-        case 0: _tile_loadd(2, p, 64); break;
-        case 1: _tile_loadd(3, p, 64); break;
-        case 2: _tile_loadd(5, p, 64); break;
-        default: _tile_loadd(6, p, 64); break;
-    }
-}
-
 static inline void store_acc(int t, float* p) {
     switch (t) {
         case 0: _tile_stored(0, p, 64); break;
@@ -180,7 +161,7 @@ void amx_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
                     const uint32_t* qr = (const uint32_t*)(q + (row0 + c) * q_stride + (int64_t)h * D + 32 * hh);
                     for (int r = 0; r < 16; r++) qt_buf[hh][r * 16 + c] = c < nq ? qr[r] : 0;
                 }
-                load_qt(hh, qt_buf[hh]);
+                amx_load_qt(hh, qt_buf[hh]);
             }
             /* Pass 1: scaled, masked scores S^T[key - kbeg][query], and each query's maximum. */
             const __m512i qpos = _mm512_add_epi32(_mm512_set1_epi32((int)qpos0), lane);
@@ -190,7 +171,7 @@ void amx_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
                 float* srow = S + (k0 - kbeg) * 16;
                 const uint16_t* kp = k_cache + (bt[k0 / BS] * BS + k0 % BS) * row_elems + (int64_t)kh * D;
                 _tile_zero(0);
-                for (int hh = 0; hh < NH; hh++) qk_half(hh, kp, k_stride);
+                for (int hh = 0; hh < NH; hh++) amx_qk_half(hh, kp, k_stride);
                 _tile_stored(0, srow, 64);
                 /* every key of this tile visible to every query (no causal edge, no window edge): no mask */
                 const int full = k0 + 15 <= qpos0 && (window <= 0 || qpos0 + nq - 1 - k0 < window);

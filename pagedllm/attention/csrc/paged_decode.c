@@ -228,24 +228,6 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
 static int g_use_amx = 0;
 void paged_decode_use_amx(int on) { g_use_amx = on; }
 
-static inline void qk_tile_half(int c, const uint16_t* kp, int64_t stride) {
-    _tile_loadd(4, kp + 32 * c, stride);
-    switch (c) {
-        case 0: _tile_dpbf16ps(0, 4, 2); break;
-        case 1: _tile_dpbf16ps(0, 4, 3); break;
-        case 2: _tile_dpbf16ps(0, 4, 5); break;
-        default: _tile_dpbf16ps(0, 4, 6); break;
-    }
-}
-
-static inline void load_q_tile(int c, const void* p) {
-    switch (c) {
-        case 0: _tile_loadd(2, p, 64); break;
-        case 1: _tile_loadd(3, p, 64); break;
-        case 2: _tile_loadd(5, p, 64); break;
-        default: _tile_loadd(6, p, 64); break;
-    }
-}
 #else
 #define HAVE_AMX_SCORES 0
 static const int g_use_amx = 0;
@@ -273,7 +255,7 @@ static inline __attribute__((always_inline)) void dp_task(
                 const uint32_t* qp = (const uint32_t*)(q + row * q_stride + ((int64_t)kh * G + n) * D + 32 * c);
                 for (int r = 0; r < 16; ++r) qb[c][r * 16 + n] = qp[r];
             }
-            load_q_tile(c, qb[c]);
+            amx_load_qt(c, qb[c]);
         }
     }
 #endif
@@ -305,7 +287,7 @@ static inline __attribute__((always_inline)) void dp_task(
 #if HAVE_AMX_SCORES
         if (amx) { /* rows past L (same block) are read but masked out by km */
             _tile_zero(0);
-            for (int c = 0; c < NP; ++c) qk_tile_half(c, rowp[0], row_elems * 2);
+            for (int c = 0; c < NP; ++c) amx_qk_half(c, rowp[0], row_elems * 2);
             _tile_stored(0, cbuf, 64);
             for (int g = 0; g < G; ++g) {
                 const __m512 sv = _mm512_mul_ps(_mm512_i32gather_ps(col_idx, cbuf + g, 4), vscale);

@@ -33,6 +33,28 @@ static inline void config_tiles_16x64(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* The attention kernels' score tiles (tile numbers must be compile-time constants): 0 = scores (accumulator), 4 = K
+ * rows, 2/3/5/6 = Q^T (VNNI) for dims 0-31/32-63/64-95/96-127. amx_qk_half adds K rows [dims 32c, 32c + 32) x Q^T
+ * tile c into tile 0; amx_load_qt loads Q^T tile c. */
+static inline void amx_qk_half(int c, const uint16_t* kp, int64_t stride) {
+    _tile_loadd(4, kp + 32 * c, stride);
+    switch (c) {
+        case 0: _tile_dpbf16ps(0, 4, 2); break;
+        case 1: _tile_dpbf16ps(0, 4, 3); break;
+        case 2: _tile_dpbf16ps(0, 4, 5); break;
+        default: _tile_dpbf16ps(0, 4, 6); break;
+    }
+}
+
+static inline void amx_load_qt(int c, const void* p) {
+    switch (c) {
+        case 0: _tile_loadd(2, p, 64); break;
+        case 1: _tile_loadd(3, p, 64); break;
+        case 2: _tile_loadd(5, p, 64); break;
+        default: _tile_loadd(6, p, 64); break;
+    }
+}
+
 /* 1 when the CPU has AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22) and Linux lets this
  * process use the tile state; else 0. Exported once, as amx_supported (amx_linear.c). */
 static inline int amx_request_tiles(void) {
