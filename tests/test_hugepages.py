@@ -54,24 +54,3 @@ def test_engine_kv_caches_share_one_advised_mapping():
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert "hg" in _vm_flags(caches[-1].data_ptr())
 
-
-def test_amx_packed_weights_share_one_advised_mapping():
-    """``pack_linear_weights`` packs every AMX layer into one huge-page-advised arena (what a decode step streams),
-    and the packed layers still compute ``x @ W.T + b``."""
-    from torch import nn
-
-    from pagedllm.layers.packed_linear import PackedLinear, amx_linear_supported, pack_linear_weights
-
-    if not amx_linear_supported():
-        pytest.skip("no AMX-BF16 here")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512, bias=False)).bfloat16()
-    x = torch.randn(3, 512).bfloat16()
-    want = model(x).float()
-    assert pack_linear_weights(model) == 2
-    layers = [m for m in model if isinstance(m, PackedLinear)]
-    assert [m.backend for m in layers] == ["amx", "amx"]
-    assert len({m.packed_weight.untyped_storage().data_ptr() for m in layers}) == 1
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert all("hg" in _vm_flags(m.packed_weight.data_ptr()) for m in layers)
-    torch.testing.assert_close(model(x).float(), want, atol=0.05, rtol=0.02)

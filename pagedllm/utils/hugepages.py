@@ -1,10 +1,11 @@
-"""CPU tensors backed by transparent huge pages (2 MiB), for the memory a decode step streams: KV caches and packed
-weights.
+"""CPU tensors backed by transparent huge pages (2 MiB), for the KV caches.
 
-Why: a decode step reads every weight and each request's KV blocks once. With 4 KiB pages that is one TLB miss per
-4 KiB, and in a VM each miss is a two-level (guest + host) page walk. Measured on this machine (2 threads, interleaved
-runs): every SmolLM2 weight of a step through the AMX kernel at 16 rows 9.1 -> 8.4 ms; decode attention over 16
-requests x 500 tokens x 30 layers with random block tables 12.5-12.9 -> 10.8-11.3 ms.
+Why: decode attention reads each request's KV blocks, wherever the block tables point. With 4 KiB pages that is a
+TLB miss every few blocks, and in a VM each miss is a two-level (guest + host) page walk. Measured on this machine
+(2 threads, interleaved): decode attention over 16 requests x 500 tokens x 30 layers with random block tables
+12.5-12.9 -> 10.8-11.3 ms. In the engine, whose block tables are still mostly in allocation order, steps moved within
+noise. Not used for the packed weights: in one huge-page arena a 16-request prefill wave's linears took 176-216
+instead of 136 ms (interleaved; the cause not traced).
 
 Linux hands out huge pages to anonymous memory only when it is ``madvise``'d (``/sys/kernel/mm/transparent_hugepage/
 enabled`` is ``madvise`` on most distributions), and only for 2 MiB-aligned ranges, so the tensors are carved out of
