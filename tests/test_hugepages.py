@@ -25,6 +25,7 @@ def _vm_flags(addr: int) -> list[str]:
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
 def test_zeros_in_hugepages_are_separate_zeroed_and_advised(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_HUGEPAGES", "1")
     shapes = [(3, 1000, 7), (5,), (2, HUGE_PAGE // 2)]
     ts = zeros_in_hugepages(shapes, torch.bfloat16)
     assert [tuple(t.shape) for t in ts] == shapes and all(t.dtype == torch.bfloat16 for t in ts)
@@ -44,8 +45,9 @@ def test_zeros_in_hugepages_are_separate_zeroed_and_advised(monkeypatch):
     assert "hg" not in _vm_flags(plain.data_ptr()) and bool((plain == 0).all())
 
 
-def test_engine_kv_caches_share_one_advised_mapping():
-    """The KV caches of all layers come from one huge-page-advised mapping."""
+def test_engine_kv_caches_share_one_advised_mapping(monkeypatch):
+    """With PAGEDLLM_HUGEPAGES=1 the KV caches of all layers come from one huge-page-advised mapping."""
+    monkeypatch.setenv("PAGEDLLM_HUGEPAGES", "1")
     from pagedllm.worker.model_runner import allocate_kv_caches
 
     caches = allocate_kv_caches([(2, 64)] * 3, 256, 16, torch.bfloat16)

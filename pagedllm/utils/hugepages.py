@@ -4,13 +4,16 @@ Why: decode attention reads each request's KV blocks, wherever the block tables 
 TLB miss every few blocks, and in a VM each miss is a two-level (guest + host) page walk. Measured on this machine
 (2 threads, interleaved): decode attention over 16 requests x 500 tokens x 30 layers with random block tables
 12.5-12.9 -> 10.8-11.3 ms. In the engine, whose block tables are still mostly in allocation order, steps moved within
-noise. Not used for the packed weights: in one huge-page arena a 16-request prefill wave's linears took 176-216
+noise. So it is opt-in (``PAGEDLLM_HUGEPAGES=1``): with it on by default, a pipeline-parallel test once saw a
+killed engine's surviving worker outlive SIGKILL by >10 s (not reproduced in 9 isolated runs; cause not traced).
+Not used for the packed weights: in one huge-page arena a 16-request prefill wave's linears took 176-216
 instead of 136 ms (interleaved; the cause not traced).
 
 Linux hands out huge pages to anonymous memory only when it is ``madvise``'d (``/sys/kernel/mm/transparent_hugepage/
 enabled`` is ``madvise`` on most distributions), and only for 2 MiB-aligned ranges, so the tensors are carved out of
 one private anonymous mapping, aligned and advised before the first touch (``madvise(2)``, ``MADV_HUGEPAGE``). Where
-that isn't available (not Linux, ``PAGEDLLM_HUGEPAGES=0``, or less than 2 MiB in all), plain ``torch.zeros`` is used.
+that isn't available or wanted (not Linux, ``PAGEDLLM_HUGEPAGES`` not ``1``, or less than 2 MiB in all), plain
+``torch.zeros`` is used.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ _ALIGN = 4096  # each tensor starts on a page (so a tensor never shares a cache 
 
 
 def _enabled() -> bool:
-    return os.environ.get("PAGEDLLM_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    return os.environ.get("PAGEDLLM_HUGEPAGES", "0") == "1" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype, prefault: bool = True) -> list[torch.Tensor]:

@@ -68,8 +68,8 @@ def kv_cache_bytes_per_block(kv_spec: Sequence[KVCacheSpec], block_size: int, dt
 
 def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``). On CPU they share one
-    huge-page-backed mapping (``pagedllm.utils.hugepages``: decode attention reads random blocks of it)."""
+    """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``). On CPU with
+    ``PAGEDLLM_HUGEPAGES=1`` they share one huge-page-backed mapping (``pagedllm.utils.hugepages``)."""
     shapes = [spec.cache_shape(num_blocks, block_size) for spec in as_kv_cache_specs(kv_spec)]
     if torch.device(device).type == "cpu":
         return zeros_in_hugepages(shapes, dtype)
