@@ -5,7 +5,8 @@ TLB miss every few blocks, and in a VM each miss is a two-level (guest + host) p
 (2 threads, interleaved): decode attention over 16 requests x 500 tokens x 30 layers with random block tables
 12.5-12.9 -> 10.8-11.3 ms. In the engine, whose block tables are still mostly in allocation order, steps moved within
 noise. So it is opt-in (``PAGEDLLM_HUGEPAGES=1``): with it on by default, a pipeline-parallel test once saw a
-killed engine's surviving worker outlive SIGKILL by >10 s (not reproduced in 9 isolated runs; cause not traced).
+killed engine's surviving worker outlive SIGKILL by >10 s (not reproduced in 3 isolated runs of that test; cause
+not traced).
 Not used for the packed weights: in one huge-page arena a 16-request prefill wave's linears took 176-216
 instead of 136 ms (interleaved; the cause not traced).
 
@@ -33,10 +34,10 @@ def _enabled() -> bool:
     return os.environ.get("PAGEDLLM_HUGEPAGES", "0") == "1" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype, prefault: bool = True) -> list[torch.Tensor]:
+def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Zeroed CPU tensors of the given shapes and ``dtype``, all in one huge-page-advised mapping (each one
-    page-aligned); the mapping lives as long as any of them. ``prefault=True`` touches every page now (as
-    ``torch.zeros`` would), so no page fault lands inside a later step.
+    page-aligned); the mapping lives as long as any of them. Every page is touched now (as ``torch.zeros`` would),
+    so no page fault lands inside a later step.
 
     Falls back to one ``torch.zeros`` per shape where huge pages can't be asked for.
     """
@@ -60,6 +61,5 @@ def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype, pref
     except OSError:
         pass  # huge pages refused (e.g. THP disabled): still correct, with small pages
     arena = raw[start : start + total]
-    if prefault:
-        arena.zero_()  # fresh anonymous memory is already zero; this only faults the pages in
+    arena.zero_()  # fresh anonymous memory is already zero; this only faults the pages in
     return [arena[o : o + n].view(dtype).view(tuple(s)) for o, n, s in zip(offsets, sizes, shapes)]

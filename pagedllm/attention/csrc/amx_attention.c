@@ -61,8 +61,10 @@ static inline void transpose16x16_epi32(__m512i r[16]) {
         r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
     for (int c = 0; c < 4; c++) { /* column 4L + c = lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
-        const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        const __m512i s2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE), s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i s2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
         t[c] = _mm512_shuffle_i32x4(s0, s1, 0x88);
         t[4 + c] = _mm512_shuffle_i32x4(s0, s1, 0xDD);
         t[8 + c] = _mm512_shuffle_i32x4(s2, s3, 0x88);
@@ -134,9 +136,9 @@ void amx_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
             vt_chunk(rows, D, vt + vt_off[i] + (int64_t)kh * D * cp + k0, cp);
         }
         config_tiles_16x64();
-        float* S = (float*)aligned_alloc(64, sizeof(float) * 16 * (size_t)max_ctx);       /* S^T, then unused */
+        float* S = (float*)aligned_alloc(64, sizeof(float) * 16 * (size_t)max_ctx);       /* S^T, fp32 */
         uint16_t* PT = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 16 * (size_t)max_ctx); /* P^T, VNNI */
-        uint32_t qt_buf[4][16 * 16] __attribute__((aligned(64)));
+        uint32_t qt_buf[16 * 16] __attribute__((aligned(64)));
         float ot[16 * 16] __attribute__((aligned(64)));
         float osum[16] __attribute__((aligned(64)));
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -155,14 +157,9 @@ void amx_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
             const int64_t kbeg = (window > 0 && qpos0 - window + 1 > 0) ? (qpos0 - window + 1) & ~(int64_t)31 : 0;
             const int64_t* bt = block_tables + (int64_t)i * max_blocks;
             const int64_t row0 = q_starts[i] + 16 * qt;
-            /* Q^T as VNNI B tiles: qt_buf[hh][r][c] = dims (32 hh + 2 r, +1) of query c, as one 32-bit pair. */
-            for (int hh = 0; hh < NH; hh++) {
-                for (int c = 0; c < 16; c++) {
-                    const uint32_t* qr = (const uint32_t*)(q + (row0 + c) * q_stride + (int64_t)h * D + 32 * hh);
-                    for (int r = 0; r < 16; r++) qt_buf[hh][r * 16 + c] = c < nq ? qr[r] : 0;
-                }
-                amx_load_qt(hh, qt_buf[hh]);
-            }
+            const uint16_t* qcols[16]; /* column c of the Q^T tiles: query row0 + c of head h */
+            for (int c = 0; c < nq; c++) qcols[c] = q + (row0 + c) * q_stride + (int64_t)h * D;
+            for (int hh = 0; hh < NH; hh++) amx_build_qt(hh, qcols, nq, qt_buf);
             /* Pass 1: scaled, masked scores S^T[key - kbeg][query], and each query's maximum. */
             const __m512i qpos = _mm512_add_epi32(_mm512_set1_epi32((int)qpos0), lane);
             const __mmask16 valid = (__mmask16)((1u << nq) - 1u);

@@ -227,7 +227,6 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
 #define HAVE_AMX_SCORES 1
 static int g_use_amx = 0;
 void paged_decode_use_amx(int on) { g_use_amx = on; }
-
 #else
 #define HAVE_AMX_SCORES 0
 static const int g_use_amx = 0;
@@ -247,16 +246,11 @@ static inline __attribute__((always_inline)) void dp_task(
     float cbuf[16 * 16] __attribute__((aligned(64)));
     const __m512i col_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(16)); /* column g of cbuf: elements g + 16 i */
-    if (amx) { /* Q^T as VNNI B tiles: qb[c][r][n] = dims (32 c + 2 r, +1) of query head n, as one 32-bit pair */
-        uint32_t qb[4][16 * 16] __attribute__((aligned(64)));
-        for (int c = 0; c < NP; ++c) {
-            for (int i = 0; i < 256; ++i) qb[c][i] = 0;
-            for (int n = 0; n < G; ++n) {
-                const uint32_t* qp = (const uint32_t*)(q + row * q_stride + ((int64_t)kh * G + n) * D + 32 * c);
-                for (int r = 0; r < 16; ++r) qb[c][r * 16 + n] = qp[r];
-            }
-            amx_load_qt(c, qb[c]);
-        }
+    if (amx) { /* Q^T tiles: column n = query head kh * G + n */
+        uint32_t qb[16 * 16] __attribute__((aligned(64)));
+        const uint16_t* qcols[16];
+        for (int n = 0; n < G; ++n) qcols[n] = q + row * q_stride + ((int64_t)kh * G + n) * D;
+        for (int c = 0; c < NP; ++c) amx_build_qt(c, qcols, G, qb);
     }
 #endif
     __m512 mxv[6];

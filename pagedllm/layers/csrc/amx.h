@@ -55,6 +55,17 @@ static inline void amx_load_qt(int c, const void* p) {
     }
 }
 
+/* Builds Q^T tile c in the VNNI "B" layout from up to 16 query vectors and loads it (amx_load_qt): element (r, n) is
+ * dims (32 c + 2 r, 32 c + 2 r + 1) of cols[n] as one 32-bit pair, 0 for n >= ncols. buf: 1 KB scratch, 64-byte
+ * aligned (the tile load copies it, so one buffer serves every c). */
+static inline void amx_build_qt(int c, const uint16_t* const cols[16], int ncols, uint32_t* buf) {
+    for (int n = 0; n < 16; n++) {
+        const uint32_t* qp = n < ncols ? (const uint32_t*)(cols[n] + 32 * c) : NULL;
+        for (int r = 0; r < 16; r++) buf[r * 16 + n] = qp ? qp[r] : 0;
+    }
+    amx_load_qt(c, buf);
+}
+
 /* 1 when the CPU has AMX-TILE and AMX-BF16 (CPUID.(EAX=7,ECX=0):EDX bits 24 and 22) and Linux lets this
  * process use the tile state; else 0. Exported once, as amx_supported (amx_linear.c). */
 static inline int amx_request_tiles(void) {
