@@ -77,7 +77,8 @@ def test_packed_linear_equals_f_linear(bias):
 @pytest.mark.skipif(not amx_linear_supported(), reason="no AMX-BF16 here")
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_linear_matches_float64(bias):
-    """The AMX kernel against a float64 matmul: every row-tile tail (1-100 rows) and both weight tiles of a group.
+    """The AMX kernel against a float64 matmul: every row-tile tail (1-100 rows), both weight tiles of a group, and
+    prefill sizes split into several (row chunk, weight chunk) work units with partial last units (300, 600 rows).
     Bound: the one bf16 rounding of the output (2^-8 relative) plus float32 summation (2^-20 of sum |x w|)."""
     torch.manual_seed(1)
     for out_f, in_f in [(960, 576), (64, 1536)]:
@@ -85,7 +86,7 @@ def test_amx_linear_matches_float64(bias):
         b = torch.randn(out_f).bfloat16() if bias else None
         packed = PackedLinear(w, b)
         assert packed.backend == "amx"
-        for rows in (1, 5, 16, 17, 32, 33, 100):
+        for rows in (1, 5, 16, 17, 32, 33, 100, 300, 600):
             x = torch.randn(rows, in_f).bfloat16()
             x[0, :] *= 1000.0  # a row of a very different scale
             ref = x.double() @ w.double().T + (b.double() if bias else 0.0)

@@ -5,8 +5,9 @@ Two backends, chosen per layer when it is packed:
 - **AMX** (``csrc/amx_linear.c``, on CPUs with AMX-TILE and AMX-BF16, when ``out_features`` and ``in_features`` are
   multiples of 32): our own tile kernel over a weight layout it streams sequentially. At decode batch sizes it reads
   the weights about twice as fast as oneDNN's packed matmul on this CPU (measured, 2 threads, every SmolLM2 weight of
-  a step, rows 16: 12.4 vs 21.8 ms; the tied LM head: 1.6 vs 4.5 ms) and is on par with it at prefill sizes
-  (600-700 GFLOP/s).
+  a step, rows 16: 12.4 vs 21.8 ms; the tied LM head: 1.6 vs 4.5 ms); at prefill sizes it is on par with oneDNN on a
+  quiet host (~2 TFLOP/s at 2,048 rows) and ahead of it when one core is slowed, as its work units are taken
+  dynamically.
 - **oneDNN** otherwise: ``F.linear`` on a plain bf16 weight makes oneDNN reorder the weight into its blocked layout
   on every call, which at decode batch sizes costs as much as the matmul. Packing once
   (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's weight freezing uses) and calling

@@ -172,6 +172,7 @@ DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, bf16_to_f32, bf16)
 void NAME(T* qkv, int64_t row_stride, const T* cs, int64_t cs_stride, T* cache_k, T* cache_v,              \
           const int64_t* slots, int64_t T_, int H, int KVH, int D) {                                          \
     const int half = D / 2;                                                                                   \
+    _Pragma("omp parallel for schedule(static) if (T_ * (H + KVH) * D >= PAR_MIN_ELEMS)")                     \
     for (int64_t t = 0; t < T_; ++t) {                                                                        \
         T* row = qkv + t * row_stride;                                                                        \
         const T* c = cs + t * cs_stride;                                                                      \
@@ -180,10 +181,11 @@ void NAME(T* qkv, int64_t row_stride, const T* cs, int64_t cs_stride, T* cache_k
         for (int h = 0; h < H + KVH; ++h) {                                                                   \
             T* xp = row + (int64_t)h * D;                                                                     \
             for (int i = 0; i < D; ++i) x[i] = LOAD(xp[i]);                                                   \
-            for (int i = 0; i < D; ++i) {                                                                     \
-                const float r = x[i < half ? i + half : i - half];                                            \
-                xp[i] = STORE(ROUND(x[i] * LOAD(c[i])) + r * LOAD(s[i]));                                     \
-            }                                                                                                 \
+            /* the two halves apart (rotate-half partner i + D/2, then i - D/2) so that each loop vectorizes */ \
+            for (int i = 0; i < half; ++i)                                                                    \
+                xp[i] = STORE(ROUND(x[i] * LOAD(c[i])) + x[i + half] * LOAD(s[i]));                           \
+            for (int i = half; i < D; ++i)                                                                    \
+                xp[i] = STORE(ROUND(x[i] * LOAD(c[i])) + x[i - half] * LOAD(s[i]));                           \
         }                                                                                                     \
         const int64_t base = slots[t] * (int64_t)KVH * D;                                                     \
         const T* kp = row + (int64_t)H * D;                                                                   \

@@ -1,8 +1,9 @@
 /* bf16 linear layers on Intel AMX tiles (AMX-TILE + AMX-BF16): out[M, N] = x[M, K] @ W[N, K]^T (+ bias).
  *
  * Why: at decode batch sizes oneDNN's packed bf16 matmul streams the weights at ~10-14 GB/s on this CPU; the
- * loop below reaches ~17-20 GB/s over a whole SmolLM2 step and ~35-42 GB/s on the LM head, and matches oneDNN
- * at prefill sizes (measured, see pagedllm/layers/packed_linear.py). Instruction semantics: Intel Architecture
+ * loop below reaches ~17-20 GB/s over a whole SmolLM2 step and ~35-42 GB/s on the LM head; at prefill sizes it
+ * matches oneDNN on a quiet host and beats it when one core is slowed (measured, see below and
+ * pagedllm/layers/packed_linear.py). Instruction semantics: Intel Architecture
  * Instruction Set Extensions Programming Reference, ch. 3 (TILELOADD, TDPBF16PS, LDTILECFG).
  *
  * Packed layout (amx_pack): N is cut into groups of 32 output columns (two 16-column tiles), K into blocks of 32.
@@ -10,12 +11,17 @@
  * pair-interleaved (VNNI) form TDPBF16PS reads: P[g][kb][j][r][2c + p] = W[32 g + 16 j + c][32 kb + 2 r + p].
  * One group's K blocks follow each other, so each thread streams its weights sequentially.
  *
- * Compute: rows of x are taken ROW_CHUNK at a time (so that chunk stays in L2 while every weight group passes by);
- * the threads split the groups. Per group, rows in blocks of 32 (two "A" tiles of 16 rows); four fp32 accumulator
- * tiles (2 row tiles x 2 column tiles), summed over K in fp32 by TDPBF16PS, then + bias (fp32) and one rounding to
- * bf16 (round to nearest even). Tiles: 0-3 accumulators, 4-5 x rows, 6-7 weights. Measured on this CPU (a VM):
- * TDPBF16PS ~15 ns and a 16-row tile load ~10 ns whatever the row count, and they don't overlap, so small batches
- * cost about the same as one row and the weight stream sets the speed.
+ * Compute: work units of (up to UNIT_WEIGHT_BYTES of weight groups) x (up to UNIT_ROWS rows of x), both held in L2,
+ * taken dynamically by the threads; within a unit every row block runs through the unit's groups, so at prefill sizes
+ * the weights come from memory once per row chunk and the row blocks from L1/L2 (measured at 2,048 rows over the four
+ * SmolLM2 layer shapes, 2 threads, quiet host: 7.5 ms vs 9.8 ms for the previous order (threads splitting the
+ * groups statically, 256 rows at a time) and 7.6-8.7 ms for oneDNN's packed matmul; with a competing process on one
+ * core 8.3-10.9 ms vs 10.5-12.6 ms for oneDNN). Rows go in
+ * blocks of 32 (two "A" tiles of 16 rows); four fp32 accumulator tiles (2 row tiles x 2 column tiles), summed over
+ * K in fp32 by TDPBF16PS, then + bias (fp32) and one rounding to bf16 (round to nearest even). Tiles: 0-3
+ * accumulators, 4-5 x rows, 6-7 weights. Measured on this CPU (a VM): TDPBF16PS ~15 ns and a 16-row tile load
+ * ~10 ns whatever the row count, so small batches cost about the same as one row and the weight stream sets the
+ * speed.
  * Requires N % 32 == 0 and K % 32 == 0 (the caller checks).
  *
  * Gated MLPs (gate_up_proj, W = [gate; up], each I rows): packed with each group's two tiles holding 16 gate rows
@@ -24,6 +30,7 @@
  * the product to bf16, so the result equals gate_up -> silu_mul bit for bit).
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,7 +38,8 @@
 #include "amx.h"
 
 #define PREFETCH_BLOCKS 8 /* weight K blocks (2 KB each) prefetched ahead of the one being multiplied */
-#define ROW_CHUNK 256     /* rows of x per pass over the weights: 256 x K bf16 stays in L2 (K <= 4096) */
+#define UNIT_WEIGHT_BYTES (288 * 1024) /* weights of one work unit (at most), bytes */
+#define UNIT_ROWS 256                   /* rows of x of one work unit: 256 x K bf16 stays in L2 (K <= 2048) */
 
 int amx_supported(void) { return amx_request_tiles(); }
 
@@ -103,69 +111,91 @@ static inline void emit(const float *acc0, const float *acc1, int rows, const fl
     }
 }
 
+/* One output block: rows [mb, mb + 32) (fewer at the end: m0 + m1 rows) x group g's 32 columns, summed over all of K,
+ * then emitted. `pf`: prefetch the weights ahead (the first pass over them). cur: the loaded tile configuration. */
+static inline void out_block(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
+                             void *out, int mode, int64_t mb, int64_t mend, int64_t g, int pf, int cur[2]) {
+    const int64_t KB = K / 32;
+    const int64_t ldo = mode == 2 ? N / 2 : N; /* output row stride, elements */
+    const int64_t esz = mode == 3 ? 4 : 2;      /* output element size, bytes */
+    const int64_t left = mend - mb;
+    const int m0 = left > 16 ? 16 : (int)left;
+    const int m1 = left > 32 ? 16 : (left > 16 ? (int)(left - 16) : 0);
+    if (m0 != cur[0] || m1 != cur[1]) { /* only around a partial last row block */
+        config_tiles(m0, m1);
+        cur[0] = m0;
+        cur[1] = m1;
+    }
+    const uint16_t *xb = x + mb * K, *xb1 = xb + 16 * K, *pg = P + g * KB * 1024;
+    const float *b0 = bias ? bias + 32 * g : NULL, *b1 = bias ? bias + 32 * g + 16 : NULL;
+    float acc[2][16 * 16] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    if (m1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    /* Loads interleaved with the products that read them (tiles aren't renamed, so a load waits for the last product
+     * reading its tile; this order lets the next loads overlap the products). */
+    for (int64_t kb = 0; kb < KB; kb++) {
+        const uint16_t *pb = pg + kb * 1024;
+        if (pf)
+            for (int l = 0; l < 32; l++)
+                _mm_prefetch((const char *)(pb + PREFETCH_BLOCKS * 1024) + 64 * l, _MM_HINT_T0);
+        _tile_loadd(4, xb + 32 * kb, K * 2);
+        _tile_loadd(6, pb, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, pb + 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (m1) {
+            _tile_loadd(5, xb1 + 32 * kb, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    char *ob = (char *)out + mb * ldo * esz;
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    emit(acc[0], acc[1], m0, b0, b1, ob, N, g, mode);
+    if (m1) {
+        _tile_stored(2, acc[0], 64);
+        _tile_stored(3, acc[1], 64);
+        emit(acc[0], acc[1], m1, b0, b1, ob + 16 * ldo * esz, N, g, mode);
+    }
+}
+
 /* x [M, K] bf16 (row stride K), P packed by amx_pack, bias [N] fp32 (in packed row order) or NULL -> out bf16:
  * mode 0: [M, N]; mode 1 (gated packing): [M, N] as [gate | up]; mode 2 (gated packing): silu(gate) * up [M, N/2];
  * mode 3: [M, N] float32 (`out` points to float32 memory). */
 void amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
                      void *out, int mode) {
     const int64_t KB = K / 32, G = N / 32;
-    const int64_t ldo = mode == 2 ? N / 2 : N;     /* output row stride, elements */
-    const int64_t esz = mode == 3 ? 4 : 2;          /* output element size, bytes */
+    const int nthr = omp_get_max_threads();
+    /* Work units: (chunk of groups, chunk of rows), taken dynamically (below). */
+    const int64_t nmc = (M + UNIT_ROWS - 1) / UNIT_ROWS;
+    /* Groups per unit: their weights fit in L2; at decode sizes (one row chunk) one contiguous share per thread, so
+     * that each thread streams its weights sequentially (dynamic units measured ~5% slower there). */
+    int64_t gcu = nmc == 1 ? (G + nthr - 1) / nthr : UNIT_WEIGHT_BYTES / (KB * 2048);
+    if (gcu < 1) gcu = 1;
+    const int64_t ngc = (G + gcu - 1) / gcu;
 #pragma omp parallel
     {
-        float acc[2][16 * 16] __attribute__((aligned(64)));
-        int cur0 = -1, cur1 = -1;
-        for (int64_t mc = 0; mc < M; mc += ROW_CHUNK) {
-            const int64_t mend = M - mc > ROW_CHUNK ? mc + ROW_CHUNK : M;
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < G; g++) {
-                const uint16_t *pg = P + g * KB * 1024;
-                const int64_t n0 = 32 * g;
-                const float *b0 = bias ? bias + n0 : NULL, *b1 = bias ? bias + n0 + 16 : NULL;
-                for (int64_t mb = mc; mb < mend; mb += 32) {
-                    const int64_t left = mend - mb;
-                    const int m0 = left > 16 ? 16 : (int)left;
-                    const int m1 = left > 32 ? 16 : (left > 16 ? (int)(left - 16) : 0);
-                    if (m0 != cur0 || m1 != cur1) { /* only at the first and the last row block */
-                        config_tiles(m0, m1);
-                        cur0 = m0;
-                        cur1 = m1;
-                    }
-                    const uint16_t *xb = x + mb * K;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    if (m1) {
-                        _tile_zero(2);
-                        _tile_zero(3);
-                    }
-                    for (int64_t kb = 0; kb < KB; kb++) {
-                        const uint16_t *pb = pg + kb * 1024;
-                        if (mb == mc) /* the first row block brings the weights in; later ones find them in L1/L2 */
-                            for (int l = 0; l < 32; l++)
-                                _mm_prefetch((const char *)(pb + PREFETCH_BLOCKS * 1024) + 64 * l, _MM_HINT_T0);
-                        _tile_loadd(4, xb + 32 * kb, K * 2);
-                        _tile_loadd(6, pb, 64);
-                        _tile_loadd(7, pb + 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        if (m1) {
-                            _tile_loadd(5, xb + 16 * K + 32 * kb, K * 2);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
-                    _tile_stored(0, acc[0], 64);
-                    _tile_stored(1, acc[1], 64);
-                    char *ob = (char *)out + mb * ldo * esz;
-                    emit(acc[0], acc[1], m0, b0, b1, ob, N, g, mode);
-                    if (m1) {
-                        _tile_stored(2, acc[0], 64);
-                        _tile_stored(3, acc[1], 64);
-                        emit(acc[0], acc[1], m1, b0, b1, ob + 16 * ldo * esz, N, g, mode);
-                    }
-                }
-            }
+        int cur[2] = {-1, -1};
+        /* Dynamic: the two vCPUs of this VM run at different speeds from one moment to the next (measured 460-1245
+         * GFLOP/s per core on the same matmul), and a static split waits for the slower one. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < ngc * nmc; u++) {
+            const int64_t g0 = (u / nmc) * gcu, g1 = g0 + gcu < G ? g0 + gcu : G;
+            const int64_t mlo = (u % nmc) * UNIT_ROWS, mhi = mlo + UNIT_ROWS < M ? mlo + UNIT_ROWS : M;
+            if (nmc == 1) /* a group's weights stay in L1 while the few row blocks pass (measured best at 256 rows) */
+                for (int64_t g = g0; g < g1; g++)
+                    for (int64_t mb = mlo; mb < mhi; mb += 32)
+                        out_block(x, M, K, P, N, bias, out, mode, mb, mhi, g, mb == mlo, cur);
+            else /* a row block stays in L1 while the unit's groups pass (measured best at 2,048 rows) */
+                for (int64_t mb = mlo; mb < mhi; mb += 32)
+                    for (int64_t g = g0; g < g1; g++)
+                        out_block(x, M, K, P, N, bias, out, mode, mb, mhi, g, mb == mlo, cur);
         }
-        if (cur0 >= 0) _tile_release();
+        if (cur[0] >= 0) _tile_release();
     }
 }
