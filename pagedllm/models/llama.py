@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.packed_linear import lm_head_logits
+from pagedllm.layers.packed_linear import PackedLinear, lm_head_logits
 from pagedllm.attention.cpu_kernels import rope_and_cache, silu_and_mul
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_layer_range
@@ -31,6 +31,7 @@ from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedllm.models.fused_stack import FusedStack
 
 # (fused parameter, checkpoint shard name, shard index): "…self_attn.k_proj.weight" fills rows
 # [q_size, q_size + kv_size) of "…self_attn.qkv_proj.weight"; biases the same way.
@@ -252,12 +253,28 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # shared by all layers
-        residual = None
-        metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
-            x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
+        stack = self._fused_stack()
+        fused = stack.forward(x, cos, kv_caches, attn_metadata) if stack is not None else None
+        if fused is not None:  # every layer in one C call (models/fused_stack.py)
+            x, residual = fused
+        else:
+            residual = None
+            metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+            for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
+                x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def _fused_stack(self) -> Optional[FusedStack]:
+        """The C layer loop (``FusedStack``), built on the first call after the weights are packed; None where it
+        can't run."""
+        stack = self.__dict__.get("_stack", False)
+        if stack is False:
+            first = self.layers[0]
+            if not isinstance(getattr(getattr(first, "self_attn", None), "qkv_proj", None), PackedLinear):
+                return None  # not packed (yet): the Python loop
+            stack = self.__dict__["_stack"] = FusedStack.build(self)
+        return stack
 
 
 class LlamaForCausalLM(nn.Module):

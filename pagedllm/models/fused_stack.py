@@ -1,0 +1,197 @@
+"""A Llama-family model's decoder layers in one C call per step (``csrc/llama_stack.c``).
+
+Why: a decode step of SmolLM2 calls ~240 C kernels through Python (4 linears, 2 norms, RoPE + cache write and
+attention per layer, each ~10-20 us of dispatch, argument conversion and output allocation). ``stack_forward`` calls
+the same kernels, in the same order, on the same data, through function pointers, so its output equals the Python
+path's bit for bit (``tests/test_fused_stack.py``); only the per-call overhead goes.
+
+It runs where every layer is the plain fast path: bf16, one process (no tensor/pipeline parallelism), every linear a
+``PackedLinear`` on the AMX kernel (gate_up packed gated), no q/k norm (Qwen3), the C RMSNorm/RoPE/decode-attention
+kernels built, one attention metadata for all layers, and for steps with prefill tokens the AMX prefill attention
+kernel available (head_dim % 32 == 0, <= 128; block_size % 16 == 0). Elsewhere, and with ``PAGEDLLM_FUSED_STACK=0``,
+the model's Python layer loop runs as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.utils.c_build import CLibrary
+
+_C = os.path.join(os.path.dirname(__file__), "csrc", "llama_stack.c")
+
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("w_qkv", "w_o", "w_gate_up", "w_down", "b_qkv", "b_o", "b_gate_up", "b_down",
+                                   "ln_in", "ln_post", "k_cache", "v_cache")] + [("window", _I64)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in ("num_layers", "hidden", "H", "KVH", "D", "inter", "BS")] + [
+        ("eps", _F), ("scale", _F)] + [(n, _P) for n in ("linear", "rms", "rope", "decode", "prefill", "layers")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _I64), ("x", _P), ("x_out", _P), ("res_out", _P), ("cs", _P), ("cs_stride", _I64),
+                ("slots", _P), ("n_dec", _I64), ("dec_max_blocks", _I64), ("dec_bt", _P), ("dec_seq_lens", _P),
+                ("dec_rows", _P), ("n_pre", _I64), ("pre_max_blocks", _I64), ("pre_bt", _P), ("pre_q_starts", _P),
+                ("pre_q_lens", _P), ("pre_seq_lens", _P), ("pre_ws", _P), ("scratch", _P)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.stack_forward.argtypes, lib.stack_forward.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
+    lib.stack_scratch_elems.argtypes, lib.stack_scratch_elems.restype = [ctypes.POINTER(_Model), _I64], _I64
+
+
+_LIB = CLibrary("pagedllm_stack", [_C], ["-O2"], _declare)
+
+
+def _addr(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+class FusedStack:
+    """The C layer loop for one model; ``build`` returns None where it can't run (see the module docstring).
+
+    ``forward(x [T, hidden] bf16, cos [T, 1, D] (the rotary view), kv_caches, meta)`` -> ``(x, residual)``, each
+    ``[T, hidden]`` bf16, the last layer's output and residual stream (the final norm is the caller's), or None when
+    this step can't take the fused path (the caller then runs its layer loop).
+    """
+
+    def __init__(self, model: Any, lib: ctypes.CDLL, cpu: ctypes.CDLL, amx: ctypes.CDLL, prefill_ok: bool) -> None:
+        layers = list(model.layers)
+        a0 = layers[0].self_attn
+        self.hidden = layers[0].input_layernorm.hidden_size
+        self.H, self.KVH, self.D = a0.num_heads, a0.num_kv_heads, a0.head_dim
+        self.inter = layers[0].mlp.gate_up_proj.out_features // 2
+        self.prefill_ok = prefill_ok
+        self.layers = layers
+        self._lib, self._cpu = lib, cpu
+        self._arr = (_Layer * len(layers))()
+        for i, layer in enumerate(layers):
+            att, mlp = layer.self_attn, layer.mlp
+            lin = (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            s = self._arr[i]
+            s.w_qkv, s.w_o, s.w_gate_up, s.w_down = (m._w_ptr for m in lin)
+            s.b_qkv, s.b_o, s.b_gate_up, s.b_down = (m._b_ptr for m in lin)
+            s.ln_in, s.ln_post = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
+            s.window = int(att.attn.sliding_window or 0)
+        m = self._model = _Model()
+        m.num_layers, m.hidden, m.H, m.KVH, m.D, m.inter = len(layers), self.hidden, self.H, self.KVH, self.D, self.inter
+        m.eps, m.scale = layers[0].input_layernorm.eps, a0.attn.scale
+        m.linear, m.rms, m.rope = _addr(amx, "amx_linear_bf16"), _addr(cpu, "add_rms_norm_bf16"), _addr(cpu, "rope_cache_bf16")
+        m.decode, m.prefill = _addr(cpu, "paged_decode_bf16"), _addr(amx, "amx_prefill_attention_bf16")
+        m.layers = ctypes.cast(self._arr, ctypes.c_void_p)
+        self._kv_key: Optional[tuple] = None
+        self._step = _Step()
+
+    @classmethod
+    def build(cls, model: Any) -> Optional["FusedStack"]:
+        """``model``: a ``LlamaModel`` (after its weights are packed). None where the fused loop can't run."""
+        if os.environ.get("PAGEDLLM_FUSED_STACK", "1") == "0":
+            return None
+        from pagedllm.attention.cpu_kernels import get_lib
+        from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
+        from pagedllm.layers.layernorm import RMSNorm
+        from pagedllm.layers.packed_linear import PackedLinear
+        from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+        from pagedllm.utils.amx import amx_lib
+
+        if get_tp_size() > 1 or get_pp_size() > 1:
+            return None
+        layers = list(getattr(model, "layers", ()))
+        if not layers:
+            return None
+        a0 = getattr(layers[0], "self_attn", None)
+        for layer in layers:
+            if type(layer) is not LlamaDecoderLayer:
+                return None
+            att, mlp = layer.self_attn, layer.mlp
+            if type(att) is not LlamaAttention or type(mlp) is not LlamaMLP or att.q_norm is not None:
+                return None
+            lin = (getattr(att, "qkv_proj", None), getattr(att, "o_proj", None), getattr(mlp, "gate_up_proj", None),
+                   getattr(mlp, "down_proj", None))
+            if not all(type(m) is PackedLinear and m.backend == "amx" for m in lin) or not lin[2].gated:
+                return None
+            norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+            if not all(type(n) is RMSNorm and n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous()
+                       and n.eps == layers[0].input_layernorm.eps for n in norms):
+                return None
+            if (att.num_heads, att.num_kv_heads, att.head_dim, att.attn.scale) != (
+                    a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.attn.scale):
+                return None
+            if lin[0].out_features != (att.num_heads + 2 * att.num_kv_heads) * att.head_dim:
+                return None
+        if a0.num_heads % a0.num_kv_heads or a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512 or a0.head_dim % 2:
+            return None
+        cpu, amx, lib = get_lib(), amx_lib(), _LIB.get()
+        if cpu is None or amx is None or lib is None:
+            return None
+        prefill_ok = (os.environ.get("PAGEDLLM_AMX_ATTENTION", "1") != "0" and a0.head_dim % 32 == 0
+                      and a0.head_dim <= 128)
+        return cls(model, lib, cpu, amx, prefill_ok)
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
+        key = tuple(kv.data_ptr() for kv in kv_caches)
+        if key == self._kv_key:
+            return True
+        if len(kv_caches) != len(self.layers):
+            return False
+        bs = None
+        for s, kv in zip(self._arr, kv_caches):
+            if kv.dtype != torch.bfloat16 or not kv.is_contiguous() or kv.dim() != 5 or kv.shape[3:] != (self.KVH, self.D):
+                return False
+            s.k_cache, s.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+            bs = kv.shape[2]
+        self._model.BS = bs
+        self._kv_key = key
+        return True
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        from pagedllm.attention.cpu_kernels import _sync_decode_amx
+        from pagedllm.attention.torch_attn import AttentionMetadata
+
+        if not isinstance(meta, AttentionMetadata) or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            return None
+        if cos.dtype != torch.bfloat16 or cos.stride(2) != 1 or cos.shape[-1] != self.D:
+            return None
+        if not self._bind_caches(kv_caches):
+            return None
+        pb, dec = meta.prefill_batch, meta.decode
+        if meta.prefills and (not self.prefill_ok or pb is None or self._model.BS % 16):
+            return None
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            return None
+        T = x.shape[0]
+        s = self._step
+        s.T, s.x, s.cs, s.cs_stride, s.slots = T, x.data_ptr(), cos.data_ptr(), cos.stride(0), slots.data_ptr()
+        if dec is not None:
+            if not dec.block_tables.is_contiguous():
+                return None
+            _sync_decode_amx(self._cpu)
+            s.n_dec, s.dec_max_blocks = dec.block_tables.shape[0], dec.block_tables.shape[1]
+            s.dec_bt, s.dec_seq_lens = dec.block_tables.data_ptr(), dec.seq_lens.data_ptr()
+            s.dec_rows = None if dec.all_rows else dec.token_rows.data_ptr()
+        else:
+            s.n_dec = 0
+        if meta.prefills:
+            s.n_pre, s.pre_max_blocks = pb.q_starts.shape[0], pb.block_tables.shape[1]
+            s.pre_bt, s.pre_q_starts = pb.block_tables.data_ptr(), pb.q_starts.data_ptr()
+            s.pre_q_lens, s.pre_seq_lens = pb.q_lens.data_ptr(), pb.seq_lens.data_ptr()
+            s.pre_ws = pb.workspace(self.KVH, self.D).data_ptr()
+        else:
+            s.n_pre = 0
+        x_out = torch.empty_like(x)
+        res_out = torch.empty_like(x)
+        scratch = torch.empty(self._lib.stack_scratch_elems(ctypes.byref(self._model), T), dtype=torch.bfloat16)
+        s.x_out, s.res_out, s.scratch = x_out.data_ptr(), res_out.data_ptr(), scratch.data_ptr()
+        self._lib.stack_forward(ctypes.byref(self._model), ctypes.byref(s))
+        return x_out, res_out
