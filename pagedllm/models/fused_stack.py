@@ -90,6 +90,7 @@ class FusedStack:
         m.layers = ctypes.cast(self._arr, ctypes.c_void_p)
         self._kv_key: Optional[tuple] = None
         self._step = _Step()
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)  # activations, grown to the largest step
 
     @classmethod
     def build(cls, model: Any) -> Optional["FusedStack"]:
@@ -191,7 +192,9 @@ class FusedStack:
             s.n_pre = 0
         x_out = torch.empty_like(x)
         res_out = torch.empty_like(x)
-        scratch = torch.empty(self._lib.stack_scratch_elems(ctypes.byref(self._model), T), dtype=torch.bfloat16)
-        s.x_out, s.res_out, s.scratch = x_out.data_ptr(), res_out.data_ptr(), scratch.data_ptr()
+        need = self._lib.stack_scratch_elems(ctypes.byref(self._model), T)
+        if self._scratch.numel() < need:  # kept across steps: a prefill step's ~17 MB would be new pages each time
+            self._scratch = torch.empty(need, dtype=torch.bfloat16)
+        s.x_out, s.res_out, s.scratch = x_out.data_ptr(), res_out.data_ptr(), self._scratch.data_ptr()
         self._lib.stack_forward(ctypes.byref(self._model), ctypes.byref(s))
         return x_out, res_out
