@@ -151,7 +151,10 @@ def test_tiny_weight_bytes_per_rank(tiny_models):
         assert 0.45 * full <= b <= 0.6 * full, (per_rank, full)
 
 
-def _wait_dead(proc, timeout: float = 10.0) -> None:
+def _wait_dead(proc, timeout: float = 30.0) -> None:
+    """The executor SIGTERMs (then SIGKILLs) the surviving ranks when one dies. Twice, late in a full-suite run on
+    2 busy cores, a survivor was still alive 10 s on and then showed exit code -SIGTERM (torn down by that signal,
+    just slowly), so the bound is 30 s: it still catches a survivor left hanging in a collective."""
     proc.join(timeout)
     assert not proc.is_alive()
 

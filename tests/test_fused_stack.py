@@ -53,3 +53,32 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
     assert calls == fused_calls  # PAGEDLLM_FUSED_STACK=0: no fused call
     assert all(len(r[0]) == 8 for r in results["1"])
     assert results["1"] == results["0"]
+
+
+@pytest.mark.slow
+def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
+    """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop):
+    steps of up to 8 tokens (decode, a short prompt's prefill) take the fused loop, larger prefill steps the Python one;
+    greedy tokens and logprobs equal."""
+    from pagedllm import LLM, SamplingParams
+
+    calls = []
+    orig = FusedStack.forward
+    monkeypatch.setattr(FusedStack, "forward", lambda self, *a: calls.append(orig(self, *a)) or calls[-1])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+        llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+        kinds = {m.kind for m in llm.llm_engine.engine_core.runner.model.quant_modules.values()}
+        assert "int4" in kinds
+        # both prompts in one prefill step (13 tokens: the Python loop), then one alone (6 tokens: fused prefill)
+        outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+        results[fused] = [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+                          for o in outs]
+        if fused == "1":
+            assert any(c is not None for c in calls) and any(c is None for c in calls)
+            n_calls = len(calls)
+    assert len(calls) == n_calls
+    assert results["1"] == results["0"]

@@ -266,13 +266,13 @@ class LlamaModel(nn.Module):
         return x
 
     def _fused_stack(self) -> Optional[FusedStack]:
-        """The C layer loop (``FusedStack``), built on the first call after the weights are packed; None where it
-        can't run."""
+        """The C layer loop (``FusedStack``), built on the first call after the weights are packed (or quantized);
+        None where it can't run."""
         stack = self.__dict__.get("_stack", False)
         if stack is False:
-            first = self.layers[0]
-            if not isinstance(getattr(getattr(first, "self_attn", None), "qkv_proj", None), PackedLinear):
-                return None  # not packed (yet): the Python loop
+            qkv = getattr(getattr(self.layers[0], "self_attn", None), "qkv_proj", None)
+            if not isinstance(qkv, PackedLinear) and getattr(qkv, "kind", "loading") == "loading":
+                return None  # not packed or quantized (yet): the Python loop
             stack = self.__dict__["_stack"] = FusedStack.build(self)
         return stack
 

@@ -4,12 +4,14 @@
  * layer); through Python each costs ~10-20 us of dispatch, argument conversion and output allocation, which is
  * several ms of a 15-35 ms step. Here the same kernels run in the same order on the same data, called through
  * function pointers (the libraries that define them are built separately: layers/csrc/amx_linear.c,
- * attention/csrc/cpu_ops.c, paged_decode.c, amx_attention.c), so the result equals the Python path bit for bit.
+ * attention/csrc/cpu_ops.c, paged_decode.c, amx_attention.c, layers/quantization/csrc/int4_cpu.c), so the result
+ * equals the Python path bit for bit.
  *
  * Per layer (pre-norm block; `res` is the residual stream):
  *   xn = rms(x + res) (first layer: rms(x), res = x); qkv = xn W_qkv^T (+ b); RoPE on q, k in place, K and V into
  *   the paged cache; attn = decode attention for the decode rows, AMX prefill attention for the prefill slices;
- *   o = attn W_o^T (+ b); xn = rms(o + res); act = silu(gate) * up (one AMX call); x = act W_down^T (+ b).
+ *   o = attn W_o^T (+ b); xn = rms(o + res); act = silu(gate) * up (one AMX call, or the int4 GEMV then
+ *   silu_mul); x = act W_down^T (+ b).
  * The last layer's x and res go back to the caller for the final norm. No allocation: `scratch` holds the
  * activations. Layouts are the Python path's (see the kernels' own comments); all bf16 unless noted.
  */
@@ -26,17 +28,28 @@ typedef void (*decode_fn)(const uint16_t *q, const uint16_t *k_cache, const uint
                           const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
                           const int64_t *rows, uint16_t *out, int n, int H, int KVH, int D, int BS, float scale,
                           int window, int64_t q_stride);
+typedef void (*int4_fn)(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz,
+                        int64_t G, int64_t N_pad, int64_t n_out, uint16_t *out);
+typedef void (*silu_mul_fn)(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
 typedef void (*prefill_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *q_starts,
                            const int64_t *q_lens, const int64_t *seq_lens, int n, uint16_t *out, int H, int KVH,
                            int D, int BS, float scale, int window, uint16_t *vt);
 
+/* One linear layer: kind 0 = packed for the AMX kernel (w, fp32 bias or NULL); kind 1 = int4 groups for
+ * int4_gemv_bf16 (w = packed codes, sz = scales and zeros, group, n_pad rows packed, no bias). */
 typedef struct {
-    const uint16_t *w_qkv, *w_o, *w_gate_up, *w_down; /* packed by amx_pack (gate_up: the gated packing) */
-    const float *b_qkv, *b_o, *b_gate_up, *b_down;    /* float32 biases in packed order, or NULL */
-    const uint16_t *ln_in, *ln_post;                  /* RMSNorm weights [hidden] */
-    uint16_t *k_cache, *v_cache;                      /* [num_blocks, BS, KVH, D] */
-    int64_t window;                                   /* sliding window (tokens), 0 = none */
+    int64_t kind;
+    const void *w, *sz;
+    const float *bias;
+    int64_t group, n_pad;
+} stack_linear_t;
+
+typedef struct {
+    stack_linear_t qkv, o, gate_up, down; /* gate_up: the AMX kernel's gated packing (kind 0) */
+    const uint16_t *ln_in, *ln_post;      /* RMSNorm weights [hidden] */
+    uint16_t *k_cache, *v_cache;          /* [num_blocks, BS, KVH, D] */
+    int64_t window;                       /* sliding window (tokens), 0 = none */
 } stack_layer_t;
 
 typedef struct {
@@ -47,6 +60,8 @@ typedef struct {
     rope_fn rope;
     decode_fn decode;
     prefill_fn prefill;
+    int4_fn int4;          /* kind 1 linears */
+    silu_mul_fn silu_mul;  /* after a kind 1 gate_up */
     const stack_layer_t *layers;
 } stack_model_t;
 
@@ -68,7 +83,16 @@ typedef struct {
 /* bf16 elements of scratch a step of T tokens needs. */
 int64_t stack_scratch_elems(const stack_model_t *m, int64_t T) {
     const int64_t qkv = (m->H + 2 * m->KVH) * m->D;
-    return T * (2 * m->hidden + qkv + m->H * m->D + m->inter);
+    return T * (2 * m->hidden + qkv + m->H * m->D + 3 * m->inter);
+}
+
+/* out [T, n] = x [T, k] W^T through the layer's kernel; mode: the AMX kernel's (0 plain, 2 gated silu * up). */
+static void run_linear(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
+                       int64_t n, uint16_t *out, int mode) {
+    if (L->kind == 0)
+        m->linear(x, T, k, (const uint16_t *)L->w, n, L->bias, out, mode);
+    else
+        m->int4(x, T, k, (const uint8_t *)L->w, (const uint16_t *)L->sz, L->group, L->n_pad, n, out);
 }
 
 void stack_forward(const stack_model_t *m, const stack_step_t *s) {
@@ -83,7 +107,7 @@ void stack_forward(const stack_model_t *m, const stack_step_t *s) {
         } else {
             m->rms(x, res, L->ln_in, xn, res, T, Hd, m->eps);
         }
-        m->linear(xn, T, Hd, L->w_qkv, qkv_n, L->b_qkv, qkv, 0);
+        run_linear(m, &L->qkv, xn, T, Hd, qkv_n, qkv, 0);
         m->rope(qkv, qkv_n, s->cs, s->cs_stride, L->k_cache, L->v_cache, s->slots, T, (int)m->H, (int)m->KVH,
                 (int)m->D);
         if (s->n_dec)
@@ -93,9 +117,15 @@ void stack_forward(const stack_model_t *m, const stack_step_t *s) {
             m->prefill(qkv, qkv_n, L->k_cache, L->v_cache, s->pre_bt, s->pre_max_blocks, s->pre_q_starts,
                        s->pre_q_lens, s->pre_seq_lens, (int)s->n_pre, attn, (int)m->H, (int)m->KVH, (int)m->D,
                        (int)m->BS, m->scale, (int)L->window, s->pre_ws);
-        m->linear(attn, T, q_n, L->w_o, Hd, L->b_o, o, 0);
+        run_linear(m, &L->o, attn, T, q_n, Hd, o, 0);
         m->rms(o, res, L->ln_post, xn, res, T, Hd, m->eps);
-        m->linear(xn, T, Hd, L->w_gate_up, 2 * m->inter, L->b_gate_up, act, 2);
-        m->linear(act, T, m->inter, L->w_down, Hd, L->b_down, x, 0);
+        if (L->gate_up.kind == 0) { /* silu(gate) * up out of the matmul's epilogue */
+            run_linear(m, &L->gate_up, xn, T, Hd, 2 * m->inter, act, 2);
+        } else {
+            uint16_t *gu = act + T * m->inter; /* [T, 2 * inter], gate first */
+            run_linear(m, &L->gate_up, xn, T, Hd, 2 * m->inter, gu, 0);
+            m->silu_mul(gu, act, T, m->inter);
+        }
+        run_linear(m, &L->down, act, T, m->inter, Hd, x, 0);
     }
 }
