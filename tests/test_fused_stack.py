@@ -10,6 +10,11 @@ from pagedllm.models.fused_stack import FusedStack
 pytestmark = pytest.mark.skipif(not amx_linear_supported(), reason="the fused loop needs the AMX linear kernel")
 
 
+def _tokens_and_logprobs(out) -> tuple:
+    c = out.outputs[0]
+    return c.token_ids, [{k: v.logprob for k, v in d.items()} for d in c.logprobs]
+
+
 @pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen2-bias"])
 def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatch):
     """llama-tied-bias: biases everywhere, head_dim 16 (prefill steps take the Python loop, decode steps the fused
@@ -43,8 +48,7 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
         monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
         llm = LLM(folder, **kw)
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        results[fused] = [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
-                          for o in outs]
+        results[fused] = [_tokens_and_logprobs(o) for o in outs]
         if fused == "1":
             assert calls["fused"] > 0
             if name == "mistral-sliding":  # head_dim 32: the AMX prefill kernel runs, so prefill steps fuse too
@@ -75,8 +79,7 @@ def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
         assert "int4" in kinds
         # both prompts in one prefill step (13 tokens: the Python loop), then one alone (6 tokens: fused prefill)
         outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
-        results[fused] = [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
-                          for o in outs]
+        results[fused] = [_tokens_and_logprobs(o) for o in outs]
         if fused == "1":
             assert any(c is not None for c in calls) and any(c is None for c in calls)
             n_calls = len(calls)

@@ -111,10 +111,12 @@ class FusedStack:
                     d.kind, d.w, d.sz = 1, mod.packed.data_ptr(), mod.scales_and_zeros.data_ptr()
                     d.group, d.n_pad = mod._kernel_group, mod.packed.shape[0]
                     self.any_int4 = True
-            s.ln_in, s.ln_post = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
+            s.ln_in = layer.input_layernorm.weight.data_ptr()
+            s.ln_post = layer.post_attention_layernorm.weight.data_ptr()
             s.window = int(att.attn.sliding_window or 0)
         m = self._model = _Model()
-        m.num_layers, m.hidden, m.H, m.KVH, m.D, m.inter = len(layers), self.hidden, self.H, self.KVH, self.D, self.inter
+        m.num_layers, m.hidden, m.inter = len(layers), self.hidden, self.inter
+        m.H, m.KVH, m.D = self.H, self.KVH, self.D
         m.eps, m.scale = layers[0].input_layernorm.eps, a0.attn.scale
         m.rms, m.rope = _addr(cpu, "add_rms_norm_bf16"), _addr(cpu, "rope_cache_bf16")
         m.decode, m.silu_mul = _addr(cpu, "paged_decode_bf16"), _addr(cpu, "silu_mul_bf16")
@@ -129,7 +131,8 @@ class FusedStack:
 
     @classmethod
     def build(cls, model: Any) -> Optional["FusedStack"]:
-        """``model``: a ``LlamaModel`` (after its weights are packed). None where the fused loop can't run."""
+        """``model``: a ``LlamaModel`` (after its weights are packed or quantized). None where the fused loop can't
+        run."""
         if os.environ.get("PAGEDLLM_FUSED_STACK", "1") == "0":
             return None
         from pagedllm.attention.cpu_kernels import get_lib
@@ -166,7 +169,8 @@ class FusedStack:
                 return None
             if lin[0].out_features != (att.num_heads + 2 * att.num_kv_heads) * att.head_dim:
                 return None
-        if a0.num_heads % a0.num_kv_heads or a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512 or a0.head_dim % 2:
+        if (a0.num_heads % a0.num_kv_heads or a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512
+                or a0.head_dim % 2):
             return None
         cpu, lib = get_lib(), _LIB.get()
         amx = amx_lib()  # the AMX linears, and the prefill attention of every kind of model
@@ -186,7 +190,8 @@ class FusedStack:
             return False
         bs = None
         for s, kv in zip(self._arr, kv_caches):
-            if kv.dtype != torch.bfloat16 or not kv.is_contiguous() or kv.dim() != 5 or kv.shape[3:] != (self.KVH, self.D):
+            if (kv.dtype != torch.bfloat16 or not kv.is_contiguous() or kv.dim() != 5
+                    or kv.shape[3:] != (self.KVH, self.D)):
                 return False
             s.k_cache, s.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
             bs = kv.shape[2]
