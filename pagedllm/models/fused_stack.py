@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.attention.cpu_kernels import _sync_decode_amx
+from pagedllm.attention.torch_attn import AttentionMetadata
 from pagedllm.layers.quantization.kernels import INT4_GEMV_MAX_TOKENS
 from pagedllm.utils.c_build import CLibrary
 
@@ -145,13 +147,11 @@ class FusedStack:
         if get_tp_size() > 1 or get_pp_size() > 1:
             return None
         layers = list(getattr(model, "layers", ()))
-        if not layers or type(layers[0]) is not LlamaDecoderLayer:
+        if not layers or any(type(layer) is not LlamaDecoderLayer for layer in layers):
             return None
         a0 = layers[0].self_attn
         kinds = set()
         for layer in layers:
-            if type(layer) is not LlamaDecoderLayer:
-                return None
             att, mlp = layer.self_attn, layer.mlp
             if type(att) is not LlamaAttention or type(mlp) is not LlamaMLP or att.q_norm is not None:
                 return None
@@ -201,9 +201,6 @@ class FusedStack:
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        from pagedllm.attention.cpu_kernels import _sync_decode_amx
-        from pagedllm.attention.torch_attn import AttentionMetadata
-
         if not isinstance(meta, AttentionMetadata) or x.dtype != torch.bfloat16 or not x.is_contiguous():
             return None
         if cos.dtype != torch.bfloat16 or cos.stride(2) != 1 or cos.shape[-1] != self.D:

@@ -114,7 +114,7 @@ static inline void emit(const float *acc0, const float *acc1, int rows, const fl
 
 /* One output block: rows [mb, mb + 32) (fewer at the end: m0 + m1 rows) x group g's 32 columns, summed over all of K,
  * then emitted. `pf`: prefetch the weights ahead (the first pass over them). cur: the loaded tile configuration. */
-static inline void out_block(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
+static inline void out_block(const uint16_t *x, int64_t K, const uint16_t *P, int64_t N, const float *bias,
                              void *out, int mode, int64_t mb, int64_t mend, int64_t g, int pf, int cur[2]) {
     const int64_t KB = K / 32;
     const int64_t ldo = mode == 2 ? N / 2 : N; /* output row stride, elements */
@@ -191,11 +191,11 @@ void amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P,
             if (nmc == 1) /* a group's weights stay in L1 while the few row blocks pass (measured best at 256 rows) */
                 for (int64_t g = g0; g < g1; g++)
                     for (int64_t mb = mlo; mb < mhi; mb += 32)
-                        out_block(x, M, K, P, N, bias, out, mode, mb, mhi, g, mb == mlo, cur);
+                        out_block(x, K, P, N, bias, out, mode, mb, mhi, g, mb == mlo, cur);
             else /* a row block stays in L1 while the unit's groups pass (measured best at 2,048 rows) */
                 for (int64_t mb = mlo; mb < mhi; mb += 32)
                     for (int64_t g = g0; g < g1; g++)
-                        out_block(x, M, K, P, N, bias, out, mode, mb, mhi, g, mb == mlo, cur);
+                        out_block(x, K, P, N, bias, out, mode, mb, mhi, g, mb == mlo, cur);
         }
         if (cur[0] >= 0) _tile_release();
     }
