@@ -336,18 +336,29 @@ static inline __attribute__((always_inline)) void dp_task(
             if (++po == BS) { po = 0; ++pb; }
             for (int c = 0; c < D * 2; c += 64) _mm_prefetch(pv + c, _MM_HINT_T0);
         }
+        /* 32 dims per load, widened in two ops: even dims (low halves) shifted up, odd dims (high halves) masked,
+         * so acc[g][2c] holds dims 32c, 32c+2, ... and acc[g][2c+1] dims 32c+1, 32c+3, ... */
         __m512 vv[8];
-        for (int j = 0; j < ND; ++j) vv[j] = load16_bf16(vp + 16 * j);
+        for (int c = 0; c < NP; ++c) {
+            const __m512i x = _mm512_loadu_si512((const void*)(vp + 32 * c));
+            vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+        }
         for (int g = 0; g < G; ++g) {
             const __m512 pw = _mm512_set1_ps(s[(int64_t)g * ctx + (t - start)]);
             for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_fmadd_ps(pw, vv[j], acc[g][j]);
         }
     }
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0); /* even/odd -> dims */
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (int g = 0; g < G; ++g) {
         uint16_t* op = out + (row * H + (int64_t)kh * G + g) * D;
         const __m512 is = _mm512_set1_ps(inv_sum[g]);
-        for (int j = 0; j < ND; ++j)
-            _mm256_storeu_si256((__m256i*)(op + 16 * j), store16_bf16_bits(_mm512_mul_ps(acc[g][j], is)));
+        for (int c = 0; c < NP; ++c) {
+            const __m512 e = _mm512_mul_ps(acc[g][2 * c], is), o = _mm512_mul_ps(acc[g][2 * c + 1], is);
+            _mm256_storeu_si256((__m256i*)(op + 32 * c), store16_bf16_bits(_mm512_permutex2var_ps(e, lo, o)));
+            _mm256_storeu_si256((__m256i*)(op + 32 * c + 16), store16_bf16_bits(_mm512_permutex2var_ps(e, hi, o)));
+        }
     }
 }
 

@@ -59,10 +59,11 @@ static inline void amx_load_qt(int c, const void* p) {
  * dims (32 c + 2 r, 32 c + 2 r + 1) of cols[n] as one 32-bit pair, 0 for n >= ncols. buf: 1 KB scratch, 64-byte
  * aligned (the tile load copies it, so one buffer serves every c). */
 static inline void amx_build_qt(int c, const uint16_t* const cols[16], int ncols, uint32_t* buf) {
-    for (int n = 0; n < 16; n++) {
-        const uint32_t* qp = n < ncols ? (const uint32_t*)(cols[n] + 32 * c) : NULL;
-        for (int r = 0; r < 16; r++) buf[r * 16 + n] = qp ? qp[r] : 0;
-    }
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16)); /* element (r, n) is buf[16 r + n] */
+    for (int r = 0; r < 16; r++) _mm512_store_si512((void*)(buf + 16 * r), _mm512_setzero_si512());
+    for (int n = 0; n < ncols; n++)
+        _mm512_i32scatter_epi32((void*)(buf + n), rows, _mm512_loadu_si512((const void*)(cols[n] + 32 * c)), 4);
     amx_load_qt(c, buf);
 }
 
