@@ -46,33 +46,6 @@ static inline void store_acc(int t, float* p) {
     }
 }
 
-/* In-register transpose of a 16 x 16 matrix of 32-bit elements (r[i] = row i in, column i out): unpack 32- and
- * 64-bit pairs within 128-bit lanes, then a 4 x 4 transpose of the lanes. */
-static inline void transpose16x16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* u[4i + c], lane L: rows 4i..4i+3 of column 4L + c */
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) { /* column 4L + c = lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
-        const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
-        const __m512i s1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        const __m512i s2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-        t[c] = _mm512_shuffle_i32x4(s0, s1, 0x88);
-        t[4 + c] = _mm512_shuffle_i32x4(s0, s1, 0xDD);
-        t[8 + c] = _mm512_shuffle_i32x4(s2, s3, 0x88);
-        t[12 + c] = _mm512_shuffle_i32x4(s2, s3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 /* 32 keys of V (rows[j]: key j's D values of one head, NULL = past the context: zeros) -> dst[d * cp + j], the
  * transposed layout pass 3 loads as "A" tiles. Keys 2p and 2p+1 are interleaved into 16 (V[2p][d], V[2p+1][d])
  * pairs per 16 dims, and the 16 x 16 matrix of pairs is transposed: row d then holds the 32 keys in order. */
@@ -202,6 +175,7 @@ void amx_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
                 _mm512_store_si512((__m512i*)(PT + r * 16), _mm512_permutexvar_epi16(ilv, pair));
             }
             _mm512_store_ps(osum, sum);
+            amx_fence(); /* P^T is loaded as tiles next */
             /* Pass 3: O^T = V^T P^T, up to 4 tiles of 16 dims per sweep over the keys. */
             const int64_t cp = pad32(L);
             const uint16_t* vtk = vt + vt_off[i] + (int64_t)kh * D * cp + kbeg;
@@ -231,10 +205,11 @@ void amx_prefill_attention_bf16(const uint16_t* q, int64_t q_stride, const uint1
                 }
                 for (int t = 0; t < nd; t++) { /* ot[d][c] -> out[row0 + c][h][16 (dt0 + t) + d] / sum[c] */
                     store_acc(t, ot);
+                    __m512i col[16]; /* col[c] = column c of ot (in-register transpose) */
+                    for (int d = 0; d < 16; d++) col[d] = _mm512_load_si512((const void*)(ot + 16 * d));
+                    transpose16x16_epi32(col);
                     for (int c = 0; c < nq; c++) {
-                        float col[16] __attribute__((aligned(64)));
-                        for (int d = 0; d < 16; d++) col[d] = ot[d * 16 + c];
-                        const __m512 o = _mm512_mul_ps(_mm512_load_ps(col), _mm512_set1_ps(1.0f / osum[c]));
+                        const __m512 o = _mm512_mul_ps(_mm512_castsi512_ps(col[c]), _mm512_set1_ps(1.0f / osum[c]));
                         _mm256_storeu_si256((__m256i*)(out + (row0 + c) * (int64_t)H * D + (int64_t)h * D
                                                        + 16 * (dt0 + t)),
                                             store16_bf16_bits(o));

@@ -13,6 +13,13 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature (arch/x86/include/uapi) */
 #define XFEATURE_XTILEDATA 18
 
+/* GCC 12's AMX intrinsics are asm statements that don't declare all the memory they read: _tile_loadd has no memory
+ * operand and no "memory" clobber, and _tile_loadconfig declares 8 of its 64 bytes. So stores into a buffer that a
+ * tile load then reads (a tile configuration, a Q^T or P^T tile built here) may legally be moved past that load or
+ * dropped as dead, and at -O3 they are (an in-register-transposed Q^T buffer came out stale). Call amx_fence()
+ * between such stores and the load: a compiler barrier, no instruction. */
+static inline void amx_fence(void) { __asm__ volatile("" ::: "memory"); }
+
 /* The 64-byte operand of LDTILECFG (palette 1): bytes per row and rows of each of the 8 tiles. */
 typedef struct {
     uint8_t palette_id, start_row;
@@ -30,6 +37,7 @@ static inline void config_tiles_16x64(void) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
+    amx_fence();
     _tile_loadconfig(&cfg);
 }
 
@@ -47,6 +55,7 @@ static inline void amx_qk_half(int c, const uint16_t* kp, int64_t stride) {
 }
 
 static inline void amx_load_qt(int c, const void* p) {
+    amx_fence(); /* p was just written */
     switch (c) {
         case 0: _tile_loadd(2, p, 64); break;
         case 1: _tile_loadd(3, p, 64); break;
@@ -55,15 +64,51 @@ static inline void amx_load_qt(int c, const void* p) {
     }
 }
 
+/* In-register transpose of a 16 x 16 matrix of 32-bit elements (r[i] = row i in, column i out): unpack 32- and
+ * 64-bit pairs within 128-bit lanes, then a 4 x 4 transpose of the lanes. */
+static inline void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + c], lane L: rows 4i..4i+3 of column 4L + c */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* column 4L + c = lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
+        const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i s2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(s0, s1, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(s0, s1, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(s2, s3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(s2, s3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 /* Builds Q^T tile c in the VNNI "B" layout from up to 16 query vectors and loads it (amx_load_qt): element (r, n) is
  * dims (32 c + 2 r, 32 c + 2 r + 1) of cols[n] as one 32-bit pair, 0 for n >= ncols. buf: 1 KB scratch, 64-byte
- * aligned (the tile load copies it, so one buffer serves every c). */
+ * aligned (the tile load copies it, so one buffer serves every c). A few columns (decode: the G query heads of a KV
+ * head) are scattered into a zeroed buffer; more (prefill: 16 queries) go through an in-register transpose. */
 static inline void amx_build_qt(int c, const uint16_t* const cols[16], int ncols, uint32_t* buf) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16)); /* element (r, n) is buf[16 r + n] */
-    for (int r = 0; r < 16; r++) _mm512_store_si512((void*)(buf + 16 * r), _mm512_setzero_si512());
-    for (int n = 0; n < ncols; n++)
-        _mm512_i32scatter_epi32((void*)(buf + n), rows, _mm512_loadu_si512((const void*)(cols[n] + 32 * c)), 4);
+    if (ncols > 4) {
+        __m512i r[16];
+        for (int n = 0; n < 16; n++)
+            r[n] = n < ncols ? _mm512_loadu_si512((const void*)(cols[n] + 32 * c)) : _mm512_setzero_si512();
+        transpose16x16_epi32(r);
+        for (int n = 0; n < 16; n++) _mm512_store_si512((void*)(buf + 16 * n), r[n]);
+    } else {
+        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(16)); /* element (r, n) is buf[16 r + n] */
+        for (int r = 0; r < 16; r++) _mm512_store_si512((void*)(buf + 16 * r), _mm512_setzero_si512());
+        for (int n = 0; n < ncols; n++)
+            _mm512_i32scatter_epi32((void*)(buf + n), rows, _mm512_loadu_si512((const void*)(cols[n] + 32 * c)), 4);
+    }
     amx_load_qt(c, buf);
 }
 
