@@ -153,10 +153,11 @@ def test_bench_serve_reports_failures(tmp_path, capsys):
 def test_bench_throughput_offline(tmp_path, capsys):
     out = tmp_path / "tp.json"
     rc = cli_main(["bench", "throughput", "--dataset-name", "random", "--input-len", "12", "--output-len", "4",
-                   "--num-prompts", "3", *SMALL_ENGINE, "--output-json", str(out)])
+                   "--num-prompts", "3", "--num-iters", "3", *SMALL_ENGINE, "--output-json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0
     assert re.search(r"Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s", printed)
+    assert re.search(r"median of 3 runs: [0-9.]+, [0-9.]+, [0-9.]+ s", printed)
     data = json.loads(out.read_text())
     from pagedllm.benchmarks.throughput import RESULT_KEYS
 
@@ -165,6 +166,9 @@ def test_bench_throughput_offline(tmp_path, capsys):
     assert data["backend"] == "pagedllm" and data["num_requests"] == 3
     assert data["total_input_tokens"] == 36 and data["total_output_tokens"] == 12
     assert data["output_tokens_per_second"] == pytest.approx(12 / data["elapsed_time"])
+    # three timed runs (each after a prefix-cache reset); the figures are the median run's
+    assert data["num_iters"] == 3 and len(data["elapsed_times"]) == 3
+    assert data["elapsed_time"] == sorted(data["elapsed_times"])[1] > 0
 
 
 @pytest.mark.slow
@@ -222,16 +226,16 @@ def _level(out: float, ttft: float, itl: float, tpot: float) -> dict:
     return lv
 
 
-def _offline(out: float, total: float) -> dict:
+def _offline(out: float, total: float, times: tuple = (10.0,)) -> dict:
     return {"output_tokens_per_second": out, "tokens_per_second": total, "num_requests": 64, "elapsed_time": 10.0,
-            "requests_per_second": 6.4, "total_input_tokens": 1, "total_output_tokens": 2}
+            "elapsed_times": list(times), "requests_per_second": 6.4, "total_input_tokens": 1, "total_output_tokens": 2}
 
 
 def _fake_runs() -> list:
     lv, off = _level, _offline
     R = C.Run
     return [
-        R("offline", "pagedllm", "pagedllm bench throughput ...", True, off(900.0, 3000.0)),
+        R("offline", "pagedllm", "pagedllm bench throughput ...", True, off(900.0, 3000.0, (9.0, 10.0, 12.5))),
         R("offline", "vllm", "x", True, off(600.0, 2000.0)),
         R("offline", "hf", "x", True, off(90.0, 300.0)),
         R("serve", "pagedllm", "x", True, {"levels": [lv(400.0, 500.0, 100.0, 40.0)]}),
@@ -274,7 +278,8 @@ def test_compare_ratio_table_and_results_md(tmp_path):
                        {"pagedllm": "0.1.0"}, "now", 60.0, str(tmp_path))
     text = md.read_text()
     for part in ("## Ratios", "## Machine", "## Versions", "## Exact commands", "pagedllm serve --port 1",
-                 "## What did not run", "not installed (make bench-peers)", "**1.50x**"):
+                 "## What did not run", "not installed (make bench-peers)", "**1.50x**",
+                 "median of 3 timed runs", "| pagedllm | 64 | 10.0 | 9.0, 10.0, 12.5 |"):
         assert part in text, part
 
 

@@ -3,7 +3,8 @@
 Sections (each bounded by a timeout; a peer that is missing or fails is reported with the reason, the rest go on):
 
 1. ``offline`` — offline throughput on ``mixed`` (``--offline-num-prompts``, default 64): ours (``LLM.generate``),
-   vLLM-CPU (``vllm.LLM.generate``) and HF Transformers (padded static batches of 32), via ``bench throughput``.
+   vLLM-CPU (``vllm.LLM.generate``) and HF Transformers (padded static batches of 32), via ``bench throughput``;
+   each engine reports the median of ``--offline-num-iters`` (default 3) timed runs in one process, HF one run.
 2. ``serve`` — each server started on a free loopback port, then ``bench serve`` with ``chat`` at
    ``--serve-concurrency`` (default 16) clients through ``/v1/chat/completions``, then a single stream
    (``random`` 128 in / 128 out, concurrency 1) through ``/v1/completions``; the server is stopped afterwards.
@@ -129,8 +130,10 @@ def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
         cmd = _cli("throughput", "--backend", backend, "--dataset-name", "mixed", "--num-prompts",
                    str(ns.offline_num_prompts), "--max-model-len", "2048", "--seed", "0", "--output-json", out)
         cmd += OURS_FLAGS.get(eng, [])
-        if eng == "hf":
+        if eng == "hf":  # minutes per run, and the margin over it is wide: timed once
             cmd += ["--hf-batch-size", str(ns.hf_batch_size)]
+        elif ns.offline_num_iters > 1:
+            cmd += ["--num-iters", str(ns.offline_num_iters)]
         runs.append(_run_json("offline", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"offline-{eng}.log")))
 
 
@@ -335,12 +338,14 @@ def engine_table(runs: list[Run]) -> str:
 
 def detail_tables(runs: list[Run]) -> str:
     out = ["### Offline throughput (`mixed`)", "",
-           "| engine | requests | elapsed s | req/s | output tok/s | total tok/s | input tok | output tok |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| engine | requests | elapsed s (median) | each timed run s | req/s | output tok/s | total tok/s | "
+           "input tok | output tok |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for eng in ("pagedllm", "pagedllm-int4", "vllm", "hf"):
         r = _get(runs, "offline", eng)
         if r:
-            out.append(f"| {PEER_NAMES[eng]} | {r['num_requests']} | {r['elapsed_time']:.1f} | "
+            each = ", ".join(f"{t:.1f}" for t in r.get("elapsed_times", [r["elapsed_time"]]))
+            out.append(f"| {PEER_NAMES[eng]} | {r['num_requests']} | {r['elapsed_time']:.1f} | {each} | "
                        f"{r['requests_per_second']:.2f} | {r['output_tokens_per_second']:.1f} | "
                        f"{r['tokens_per_second']:.1f} | {r['total_input_tokens']} | {r['total_output_tokens']} |")
     for section, title in (("serve", "Serving (`chat`, chat completions)"),
@@ -376,7 +381,8 @@ def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: di
         "",
         "## Ratios",
         "",
-        f"Workloads: offline `mixed`, {ns.offline_num_prompts} prompts (HF in padded batches of {ns.hf_batch_size}); "
+        f"Workloads: offline `mixed`, {ns.offline_num_prompts} prompts (HF in padded batches of {ns.hf_batch_size}; "
+        f"each engine's median of {getattr(ns, 'offline_num_iters', 1)} timed runs in one process, HF one run); "
         f"serve `chat`, {ns.serve_num_prompts} prompts x {ns.serve_output_len} output tokens at "
         f"{ns.serve_concurrency} concurrent clients; single stream `random` 128 in / {ns.single_output_len} out, "
         f"{ns.single_num_prompts} prompts. All greedy with ignore_eos.",
@@ -429,6 +435,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated peers to include (those not installed are reported and skipped).")
     p.add_argument("--sections", default="offline,serve,engine", help="Comma-separated: offline, serve, engine.")
     p.add_argument("--offline-num-prompts", type=int, default=64)
+    p.add_argument("--offline-num-iters", type=int, default=3,
+                   help="Timed runs of the offline workload per engine, in one process each; the median is reported "
+                        "(HF Transformers: always one).")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--serve-num-prompts", type=int, default=64)
     p.add_argument("--serve-concurrency", type=int, default=16)
@@ -470,7 +479,7 @@ def _runs_from_files(out_dir: str) -> list[Run]:
     return runs
 
 
-_PARAMS = ("offline_num_prompts", "hf_batch_size", "serve_num_prompts", "serve_output_len", "serve_concurrency",
+_PARAMS = ("offline_num_prompts", "offline_num_iters", "hf_batch_size", "serve_num_prompts", "serve_output_len", "serve_concurrency",
            "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters")
 
 

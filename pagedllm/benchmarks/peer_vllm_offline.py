@@ -5,7 +5,8 @@ Runs with the vLLM peer's own Python (``.peers/vllm-venv/bin/python``), so it im
     V/bin/python peer_vllm_offline.py --model HF_FOLDER --requests reqs.json --output-json out.json
 
 ``reqs.json``: ``{"requests": [{"prompt_token_ids": [...], "output_len": N}, ...], "ignore_eos": true}``.
-Start-up (model load, torch.compile) is not timed; one short warm-up generate runs before the timed one.
+Start-up (model load, torch.compile) is not timed; one short warm-up generate runs before the timed ones
+(``--num-iters``, default 1, each after ``LLM.reset_prefix_cache()``; all their times go to ``elapsed_times``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-iters", type=int, default=1)
     args = p.parse_args()
     with open(args.requests) as f:
         spec = json.load(f)
@@ -44,12 +46,15 @@ def main() -> None:
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=ignore_eos) for r in reqs]
     llm.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)], use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    times = []
+    for _ in range(max(1, args.num_iters)):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    res = {"backend": "vllm", "vllm_version": vllm.__version__, "elapsed_time": elapsed, "load_time": load_s,
+    res = {"backend": "vllm", "vllm_version": vllm.__version__, "elapsed_times": times, "load_time": load_s,
            "num_requests": len(outs), "total_input_tokens": n_in, "total_output_tokens": n_out}
     with open(args.output_json, "w") as f:
         json.dump(res, f, indent=1)

@@ -6,6 +6,11 @@
 and only each request's own output length counts as output). ``--backend vllm`` runs ``vllm.LLM.generate`` in the vLLM
 peer's venv (``make bench-peers``). Model loading and a short warm-up are not timed.
 
+``--num-iters N`` times the whole workload N times in the same process (after the one warm-up; ours and vLLM clear
+their prefix caches before each run, so no run reuses another's prompts) and reports the median run: the figures
+below come from ``elapsed_time`` = the median of ``elapsed_times`` (seconds). On a shared machine one run can land in
+a slow minute; the median of a few is steadier, and every run is kept in the JSON.
+
 Prints requests/s, total tokens/s and output tokens/s, like ``vllm bench throughput``; ``--output-json FILE`` saves
 them, ``--json`` prints them as one JSON object.
 """
@@ -17,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import statistics
 import tempfile
 import time
 from typing import Optional
@@ -25,7 +31,8 @@ from pagedllm.benchmarks import command_line
 from pagedllm.benchmarks.datasets import BenchRequest, add_dataset_args, load_tokenizer, requests_from_args, summarize
 
 RESULT_KEYS = ("backend", "dataset_name", "num_requests", "elapsed_time", "requests_per_second", "tokens_per_second",
-               "output_tokens_per_second", "total_input_tokens", "total_output_tokens", "total_num_tokens")
+               "output_tokens_per_second", "total_input_tokens", "total_output_tokens", "total_num_tokens",
+               "num_iters", "elapsed_times")
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -40,12 +47,15 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="Save the results to this JSON file.")
     p.add_argument("--json", action="store_true", help="Print the results as one JSON object.")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--num-iters", type=int, default=1,
+                   help="Timed runs of the whole workload; the median run is reported (default 1).")
     add_engine_args(p)
     add_dataset_args(p, engine_flags=True)
 
 
 def _finish(res: dict, reqs: list[BenchRequest]) -> dict:
-    el = res["elapsed_time"]
+    res["num_iters"] = len(res["elapsed_times"])
+    el = res["elapsed_time"] = statistics.median(res["elapsed_times"])
     res.setdefault("total_input_tokens", sum(r.prompt_len for r in reqs))
     res["total_num_tokens"] = res["total_input_tokens"] + res["total_output_tokens"]
     res["requests_per_second"] = res["num_requests"] / el
@@ -71,12 +81,21 @@ def run_pagedllm(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
         llm.reset_prefix_cache()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=ns.ignore_eos) for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    times = []
+    for _ in range(_num_iters(ns)):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"backend": "pagedllm", "elapsed_time": elapsed, "load_time": load_s, "num_requests": len(outs),
+    return {"backend": "pagedllm", "elapsed_times": times, "load_time": load_s, "num_requests": len(outs),
             "total_output_tokens": n_out, "engine_args": {k: v for k, v in vars(args).items()}}
+
+
+def _num_iters(ns: argparse.Namespace) -> int:
+    if ns.num_iters < 1:
+        raise ValueError(f"--num-iters must be at least 1, got {ns.num_iters}")
+    return ns.num_iters
 
 
 def _hf_source(model: Optional[str]):
@@ -134,12 +153,14 @@ def run_hf(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
     if ns.warmup:
         run_batch([BenchRequest(prompt="", prompt_token_ids=reqs[0].prompt_token_ids[:16], output_len=4)], True)
     bs = max(1, ns.hf_batch_size)
-    t0 = time.perf_counter()
-    n_out = 0
-    for i in range(0, len(reqs), bs):
-        n_out += run_batch(reqs[i:i + bs], ns.ignore_eos)
-    elapsed = time.perf_counter() - t0
-    return {"backend": "hf", "elapsed_time": elapsed, "load_time": load_s, "num_requests": len(reqs),
+    times = []
+    for _ in range(_num_iters(ns)):
+        t0 = time.perf_counter()
+        n_out = 0
+        for i in range(0, len(reqs), bs):
+            n_out += run_batch(reqs[i:i + bs], ns.ignore_eos)
+        times.append(time.perf_counter() - t0)
+    return {"backend": "hf", "elapsed_times": times, "load_time": load_s, "num_requests": len(reqs),
             "total_output_tokens": n_out, "hf_model": src, "hf_batch_size": bs, "hf_dtype": ns.hf_dtype,
             "torch_threads": torch.get_num_threads()}
 
@@ -160,7 +181,7 @@ def run_vllm(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
                        "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}
                                     for r in reqs]}, f)
         cmd = [py, script, "--model", folder, "--requests", spec, "--output-json", out,
-               "--max-model-len", str(ns.max_model_len or 2048)]
+               "--max-model-len", str(ns.max_model_len or 2048), "--num-iters", str(_num_iters(ns))]
         r = subprocess.run(cmd, env=vllm_env(), cwd=d, capture_output=True, text=True, timeout=ns.vllm_timeout)
         if r.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"vLLM run failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
@@ -192,7 +213,9 @@ def format_result(res: dict) -> str:
             f"Total num prompt tokens:  {res['total_input_tokens']}\n"
             f"Total num output tokens:  {res['total_output_tokens']}\n"
             f"Elapsed: {res['elapsed_time']:.2f} s ({res['backend']}, {res['dataset_name']}, "
-            f"{res['num_requests']} requests)")
+            f"{res['num_requests']} requests)"
+            + (f"; median of {res['num_iters']} runs: " + ", ".join(f"{t:.2f}" for t in res["elapsed_times"]) + " s"
+               if res["num_iters"] > 1 else ""))
 
 
 def cmd_throughput(ns: argparse.Namespace) -> int:
