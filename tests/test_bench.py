@@ -245,8 +245,10 @@ def _fake_runs() -> list:
         R("single", "pagedllm-int4", "x", True, {"levels": [lv(50.0, 100.0, 40.0, 20.0)]}),
         R("single", "llamacpp", "x", True, {"levels": [lv(40.0, 100.0, 40.0, 25.0)]}),
         R("latency", "pagedllm-bs32", "x", True, {"mean_itl_ms": 60.0, "decode_tokens_per_second": 533.0,
-                                                  "mean_ttft_ms": 300.0}),
-        R("floor", "matmul", "x", True, {"floor": [{"batch_size": 32, "step_ms_median": 40.0}]}),
+                                                  "mean_ttft_ms": 300.0, "batch_size": 32, "input_len": 128,
+                                                  "output_len": 64}),
+        R("floor", "matmul", "x", True, {"floor": [{"batch_size": 32, "step_ms_median": 40.0, "weight_bytes": 269e6}],
+                                         "shapes": {"layers": 30, "kv_heads": 3, "head_dim": 64}}),
     ]
 
 
@@ -265,6 +267,10 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     table = C.format_ratio_table(list(rows.values()))
     assert "| offline mixed: output tok/s | 900.0 | 600.0 | **1.50x** | 90.0 | **10.00x** |" in table
     assert "| 32 | 60.0 |" in C.engine_table(runs) and "1.50x" in C.engine_table(runs)
+    # the KV a batch-32 step reads: 32 requests x (128 + 64 / 2) tokens x 2 x 30 layers x 3 heads x 64 dims x 2 bytes
+    kv = 32 * 160 * 2 * 30 * 3 * 64 * 2
+    fkv = 40.0 * (1 + kv / 269e6)
+    assert f"| {kv / 1e6:.1f} | {fkv:.1f} | {60.0 / fkv:.2f}x |" in C.engine_table(runs)
 
     import argparse
 
