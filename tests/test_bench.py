@@ -173,6 +173,29 @@ def test_bench_throughput_offline(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_compare_interleaved_offline_runs(tmp_path):
+    """compare's side-by-side offline runs: two `bench throughput --runs-from-stdin` processes (here both ours, a tiny
+    workload) are loaded at once and asked for timed runs in turns; each writes its JSON with every run's time."""
+    engines = []
+    for name in ("a", "b"):
+        out = str(tmp_path / f"{name}.json")
+        cmd = C._cli("throughput", "--dataset-name", "random", "--input-len", "12", "--output-len", "4",
+                     "--num-prompts", "3", *SMALL_ENGINE, "--output-json", out)
+        engines.append((name, (cmd, out, str(tmp_path / f"{name}.log"))))
+    runs = C._run_interleaved(engines, 2, timeout=600)
+    assert [r.engine for r in runs] == ["a", "b"] and all(r.ok for r in runs), [r.error for r in runs]
+    for r in runs:
+        assert r.result["num_iters"] == 2 and len(r.result["elapsed_times"]) == 2
+        assert r.result["total_output_tokens"] == 12 and "--runs-from-stdin" in r.command
+    # a process that dies before it is ready fails the section with its log, and leaves nothing running
+    bad = [("x", (C._cli("throughput", "--model", str(tmp_path / "missing.gguf")), str(tmp_path / "x.json"),
+                  str(tmp_path / "x.log")))]
+    (r,) = C._run_interleaved(bad, 1, timeout=600)
+    assert not r.ok and "exited before it was ready" in r.error
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_bench_latency(capsys):
     rc = cli_main(["bench", "latency", "--input-len", "10", "--output-len", "4", "--batch-size", "2", "--num-iters", "1",
                    *SMALL_ENGINE, "--json"])

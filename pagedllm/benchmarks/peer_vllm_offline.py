@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 
@@ -26,6 +27,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-iters", type=int, default=1)
+    p.add_argument("--runs-from-stdin", action="store_true",
+                   help="print READY, then time one run per `run` line on stdin (pagedllm bench throughput's protocol)")
     args = p.parse_args()
     with open(args.requests) as f:
         spec = json.load(f)
@@ -46,12 +49,23 @@ def main() -> None:
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=ignore_eos) for r in reqs]
     llm.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)], use_tqdm=False)
-    times = []
-    for _ in range(max(1, args.num_iters)):
+    times, outs = [], []
+
+    def run_once() -> None:
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs[:] = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
+
+    if args.runs_from_stdin:  # the protocol of pagedllm/benchmarks/throughput.py (PROTOCOL_*)
+        print("PAGEDLLM-BENCH READY", flush=True)
+        for line in sys.stdin:
+            if line.strip() == "run":
+                run_once()
+                print(f"PAGEDLLM-BENCH DONE {times[-1]:.6f}", flush=True)
+    else:
+        for _ in range(max(1, args.num_iters)):
+            run_once()
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     res = {"backend": "vllm", "vllm_version": vllm.__version__, "elapsed_times": times, "load_time": load_s,

@@ -49,6 +49,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--num-iters", type=int, default=1,
                    help="Timed runs of the whole workload; the median run is reported (default 1).")
+    p.add_argument("--runs-from-stdin", action="store_true",
+                   help="For `bench compare`'s interleaved runs: after the warm-up print a READY line, then time one "
+                        "run per `run` line read from stdin (printing a DONE line with its seconds) until end of "
+                        "input; --num-iters is ignored.")
     add_engine_args(p)
     add_dataset_args(p, engine_flags=True)
 
@@ -81,15 +85,42 @@ def run_pagedllm(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
         llm.reset_prefix_cache()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=ns.ignore_eos) for r in reqs]
-    times = []
-    for _ in range(_num_iters(ns)):
+    outs = []
+
+    def run_once() -> float:
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
+        outs[:] = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    times = timed_runs(ns, run_once)
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"backend": "pagedllm", "elapsed_times": times, "load_time": load_s, "num_requests": len(outs),
             "total_output_tokens": n_out, "engine_args": {k: v for k, v in vars(args).items()}}
+
+
+# Lines of the --runs-from-stdin protocol (a prefix no engine log line starts with).
+PROTOCOL_READY = "PAGEDLLM-BENCH READY"
+PROTOCOL_DONE = "PAGEDLLM-BENCH DONE"
+
+
+def timed_runs(ns: argparse.Namespace, run_once) -> list[float]:
+    """Seconds of each timed run of ``run_once()``: ``--num-iters`` in a row, or one per ``run`` line on stdin
+    (``--runs-from-stdin``, see PROTOCOL_*)."""
+    times = []
+    if not getattr(ns, "runs_from_stdin", False):
+        for _ in range(_num_iters(ns)):
+            times.append(run_once())
+        return times
+    print(PROTOCOL_READY, flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            continue
+        times.append(run_once())
+        print(f"{PROTOCOL_DONE} {times[-1]:.6f}", flush=True)
+    if not times:
+        raise RuntimeError("--runs-from-stdin: stdin closed before any `run` line")
+    return times
 
 
 def _num_iters(ns: argparse.Namespace) -> int:
@@ -182,7 +213,12 @@ def run_vllm(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
                                     for r in reqs]}, f)
         cmd = [py, script, "--model", folder, "--requests", spec, "--output-json", out,
                "--max-model-len", str(ns.max_model_len or 2048), "--num-iters", str(_num_iters(ns))]
-        r = subprocess.run(cmd, env=vllm_env(), cwd=d, capture_output=True, text=True, timeout=ns.vllm_timeout)
+        if ns.runs_from_stdin:  # the peer reads our stdin and prints the protocol lines on our stdout
+            r = subprocess.run(cmd + ["--runs-from-stdin"], env=vllm_env(), cwd=d, stdin=sys.stdin,
+                               stdout=sys.stdout, stderr=subprocess.PIPE, text=True, timeout=ns.vllm_timeout)
+            r.stdout = ""
+        else:
+            r = subprocess.run(cmd, env=vllm_env(), cwd=d, capture_output=True, text=True, timeout=ns.vllm_timeout)
         if r.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"vLLM run failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
         with open(out) as f:
