@@ -194,6 +194,35 @@ def test_compare_interleaved_offline_runs(tmp_path):
     assert not r.ok and "exited before it was ready" in r.error
 
 
+def test_compare_offline_falls_back_when_interleaving_fails(tmp_path, monkeypatch):
+    """When the side-by-side runs fail (one engine failing stops both), each engine runs again on its own."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    C.add_compare_args(parser)
+    ns = parser.parse_args(["--peers", "vllm"])
+    ns.peers = ns.peers.split(",")
+    monkeypatch.setattr(C.P, "vllm_python", lambda: "/x/python")
+    monkeypatch.setattr(C.P, "hf_export_dir", lambda: "/x/hf")
+    paired, alone = [], []
+
+    def fake_interleaved(engines, n, timeout):
+        paired.extend(e for e, _ in engines)
+        return [C.Run("offline", e, "x", ok=(e == "pagedllm"), result={"n": n} if e == "pagedllm" else None,
+                      error="" if e == "pagedllm" else "vllm exited") for e, _ in engines]
+
+    monkeypatch.setattr(C, "_run_interleaved", fake_interleaved)
+    monkeypatch.setattr(C, "_run_json", lambda section, eng, cmd, *a, **k: alone.append((eng, cmd))
+                        or C.Run(section, eng, "y", ok=True))
+    runs: list = []
+    C.run_offline(ns, str(tmp_path), runs)
+    assert paired == ["pagedllm", "vllm"]
+    # ours kept its side-by-side result; vLLM ran again alone (with its repeats), and int4 ran as always
+    assert [e for e, _ in alone] == ["pagedllm-int4", "vllm"]
+    assert "--num-iters" in dict(alone)["vllm"]
+    assert [r.engine for r in runs if r.ok] == ["pagedllm", "pagedllm-int4", "vllm"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bench_latency(capsys):

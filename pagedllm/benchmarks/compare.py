@@ -142,7 +142,10 @@ def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
     # host's slow and fast minutes fall on both alike
     pair = [e for e in ("pagedllm", "vllm") if e in cmds]
     if len(pair) == 2 and ns.offline_num_iters > 1:
-        runs += _run_interleaved([(e, cmds.pop(e)) for e in pair], ns.offline_num_iters, ns.timeout)
+        for run in _run_interleaved([(e, cmds[e]) for e in pair], ns.offline_num_iters, ns.timeout):
+            if run.ok:  # else (one side failed, which stops both) each runs again on its own, below
+                runs.append(run)
+                del cmds[run.engine]
     for eng, (cmd, out, log) in cmds.items():
         runs.append(_run_json("offline", eng, cmd, out, ns.timeout, log))
 
@@ -428,7 +431,8 @@ def engine_table(runs: list[Run]) -> str:
         _get(runs, "floor", "matmul")
     floor = {r["batch_size"]: r for r in fl["floor"]} if fl else {}
     lines = ["| batch | ours: decode step (mean ITL) ms | ours: decode tok/s | ours: TTFT ms (128 in) | "
-             "bare-matmul floor ms | step / floor | target | KV read per step MB | floor + KV ms | step / (floor + KV) |",
+             "bare-matmul floor ms | step / floor | target | KV read per step MB | floor + KV ms | "
+             "step / (floor + KV) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for bs, lat in ((1, lat1), (32, lat32)):
         f = floor.get(bs)
@@ -598,8 +602,8 @@ def _runs_from_files(out_dir: str) -> list[Run]:
     return runs
 
 
-_PARAMS = ("offline_num_prompts", "offline_num_iters", "hf_batch_size", "serve_num_prompts", "serve_output_len", "serve_concurrency",
-           "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters")
+_PARAMS = ("offline_num_prompts", "offline_num_iters", "hf_batch_size", "serve_num_prompts", "serve_output_len",
+           "serve_concurrency", "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters")
 
 
 def render_only(ns: argparse.Namespace) -> int:
