@@ -159,7 +159,7 @@ def _run_interleaved(engines: list, n: int, timeout: float) -> list[Run]:
     from pagedllm.benchmarks.throughput import PROTOCOL_DONE, PROTOCOL_READY
 
     events: queue.Queue = queue.Queue()
-    procs, logs, res = {}, {}, {}
+    procs, logs = {}, {}
     t0 = time.perf_counter()
 
     def pump(eng: str, proc: subprocess.Popen, log) -> None:  # protocol lines to the queue, the rest to the log
@@ -179,30 +179,24 @@ def _run_interleaved(engines: list, n: int, timeout: float) -> list[Run]:
                                       start_new_session=True)
         threading.Thread(target=pump, args=(eng, procs[eng], logs[eng]), daemon=True).start()
 
-    def wait_for(eng: str, what: str) -> str:
-        while True:
-            left = timeout - (time.perf_counter() - t0)
-            got, line = events.get(timeout=max(left, 0.001))
-            if line is None:
-                raise RuntimeError(f"{got} exited while waiting for {what}")
-            if got == eng:
-                return line
-            raise RuntimeError(f"unexpected line from {got}: {line}")
+    def next_event(what: str) -> tuple[str, str]:  # (engine, protocol line); queue.Empty past the deadline
+        got, line = events.get(timeout=max(timeout - (time.perf_counter() - t0), 0.001))
+        if line is None:
+            raise RuntimeError(f"{got} exited {what}")
+        return got, line
 
     error = None
     try:
         ready = set()
         while len(ready) < len(procs):
-            left = timeout - (time.perf_counter() - t0)
-            got, line = events.get(timeout=max(left, 0.001))
-            if line is None:
-                raise RuntimeError(f"{got} exited before it was ready")
-            ready.add(got)
+            ready.add(next_event("before it was ready")[0])
         for i in range(n):
             for eng in procs:
                 procs[eng].stdin.write("run\n")
                 procs[eng].stdin.flush()
-                line = wait_for(eng, f"run {i + 1}")
+                got, line = next_event(f"while waiting for run {i + 1}")
+                if got != eng:
+                    raise RuntimeError(f"unexpected line from {got}: {line}")
                 print(f"[compare]   offline/{eng} run {i + 1}: {float(line.split()[-1]):.1f} s", flush=True)
         for eng in procs:
             procs[eng].stdin.close()

@@ -82,7 +82,6 @@ def run_pagedllm(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
     if ns.warmup:
         llm.generate([{"prompt_token_ids": reqs[0].prompt_token_ids[:16]}],
                      SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        llm.reset_prefix_cache()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=ns.ignore_eos) for r in reqs]
     outs = []
@@ -108,7 +107,7 @@ def timed_runs(ns: argparse.Namespace, run_once) -> list[float]:
     """Seconds of each timed run of ``run_once()``: ``--num-iters`` in a row, or one per ``run`` line on stdin
     (``--runs-from-stdin``, see PROTOCOL_*)."""
     times = []
-    if not getattr(ns, "runs_from_stdin", False):
+    if not ns.runs_from_stdin:
         for _ in range(_num_iters(ns)):
             times.append(run_once())
         return times
@@ -184,13 +183,15 @@ def run_hf(ns: argparse.Namespace, reqs: list[BenchRequest]) -> dict:
     if ns.warmup:
         run_batch([BenchRequest(prompt="", prompt_token_ids=reqs[0].prompt_token_ids[:16], output_len=4)], True)
     bs = max(1, ns.hf_batch_size)
-    times = []
-    for _ in range(_num_iters(ns)):
+    n_out = 0
+
+    def run_once() -> float:
+        nonlocal n_out
         t0 = time.perf_counter()
-        n_out = 0
-        for i in range(0, len(reqs), bs):
-            n_out += run_batch(reqs[i:i + bs], ns.ignore_eos)
-        times.append(time.perf_counter() - t0)
+        n_out = sum(run_batch(reqs[i:i + bs], ns.ignore_eos) for i in range(0, len(reqs), bs))
+        return time.perf_counter() - t0
+
+    times = timed_runs(ns, run_once)
     return {"backend": "hf", "elapsed_times": times, "load_time": load_s, "num_requests": len(reqs),
             "total_output_tokens": n_out, "hf_model": src, "hf_batch_size": bs, "hf_dtype": ns.hf_dtype,
             "torch_threads": torch.get_num_threads()}

@@ -28,6 +28,12 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
+/* LDTILECFG of `cfg`, after the stores that filled it (see amx_fence). */
+static inline void amx_load_tilecfg(const tilecfg_t* cfg) {
+    amx_fence();
+    _tile_loadconfig(cfg);
+}
+
 /* Loads a configuration with all 8 tiles 16 rows x 64 bytes (the attention kernels' only shape). */
 static inline void config_tiles_16x64(void) {
     tilecfg_t cfg;
@@ -37,8 +43,7 @@ static inline void config_tiles_16x64(void) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
-    amx_fence();
-    _tile_loadconfig(&cfg);
+    amx_load_tilecfg(&cfg);
 }
 
 /* The attention kernels' score tiles (tile numbers must be compile-time constants): 0 = scores (accumulator), 4 = K

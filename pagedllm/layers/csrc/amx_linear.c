@@ -70,8 +70,7 @@ static inline void config_tiles(int m0, int m1) {
     cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)m0;
     cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(m1 ? m1 : 1);
     cfg.rows[6] = cfg.rows[7] = 16;
-    amx_fence();
-    _tile_loadconfig(&cfg);
+    amx_load_tilecfg(&cfg);
 }
 
 /* rows x 16 fp32 (row stride 16) + bias -> bf16 out (row stride ldo). */
