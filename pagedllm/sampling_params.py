@@ -52,6 +52,8 @@ class StructuredOutputsParams:
     disable_fallback: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: Optional[str] = None
+    # The request field it came from (response_format, guided_json, ...), so a spec error names that field.
+    source: str = field(default="structured_outputs", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_fields = [k for k in _CONSTRAINT_FIELDS if getattr(self, k) not in (None, False)]

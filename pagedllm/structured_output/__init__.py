@@ -21,7 +21,12 @@ def validate_structured_outputs(params, config) -> None:
     any_ws = params.disable_any_whitespace
     if any_ws is None:
         any_ws = config.disable_any_whitespace
-    validate_spec(config.backend, params.kind, params.spec, not any_ws)
+    try:
+        validate_spec(config.backend, params.kind, params.spec, not any_ws)
+    except ValueError as e:
+        if params.source != "structured_outputs":
+            raise ValueError(f"{params.source}: {e}") from None
+        raise
 
 
 def make_structured_output_manager(config, tokenizer, vocab_size: int, eos_token_ids) -> Optional[Any]:
