@@ -40,7 +40,8 @@ def make_structured_output_manager(config, tokenizer, vocab_size: int, eos_token
     def make_backend() -> StructuredOutputBackend:
         from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 
-        return XgrammarBackend(tokenizer, vocab_size, sorted(eos_token_ids), max_threads=so.max_compile_threads)
+        return XgrammarBackend.from_huggingface(tokenizer, vocab_size, sorted(eos_token_ids),
+                                               max_threads=so.max_compile_threads)
 
     reasoning = ReasoningEnd(tokenizer, so.reasoning_parser) if so.reasoning_parser else None
     return StructuredOutputManager(so, make_backend, reasoning)

@@ -89,17 +89,22 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
 
 class XgrammarBackend(StructuredOutputBackend):
-    """Built from a Hugging Face tokenizer; ``vocab_size`` is the model's logits width (may exceed the tokenizer's
-    vocabulary: padding rows are never allowed). ``stop_token_ids``: the engine's EOS ids, allowed only where the
-    grammar may end."""
+    """Over an ``xgrammar.TokenizerInfo``; ``vocab_size`` is the model's logits width (it may exceed the tokenizer's
+    vocabulary: padding ids are never allowed)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2) -> None:
-        xgr = _xgr()
+    def __init__(self, tokenizer_info, vocab_size: int, max_threads: int = 2) -> None:
         self.vocab_size = vocab_size
+        self.tokenizer_info = tokenizer_info
+        # Our manager caches compiled grammars (LRU by (kind, spec, whitespace)); xgrammar's own cache is off.
+        self.compiler = _xgr().GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
+
+    @classmethod
+    def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
+                         max_threads: int = 2) -> "XgrammarBackend":
+        """``stop_token_ids``: the engine's EOS ids, allowed only where the grammar may end."""
         stops = sorted(int(t) for t in stop_token_ids) or None
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                 stop_token_ids=stops)
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        info = _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        return cls(info, vocab_size, max_threads)
 
     def compile(self, kind: str, spec: str, any_whitespace: bool) -> Any:
         try:

@@ -45,10 +45,8 @@ class ReasoningParser:
             opened = True
         if not opened:
             return None, text or None
-        if END not in t:
-            if self.starts_in_reasoning or self.in_reasoning:
-                return t or None, None
-            return None, text or None
+        if END not in t:  # the output ended inside its reasoning (e.g. max_tokens)
+            return t or None, None
         reasoning, content = t.split(END, 1)
         return reasoning or None, content.lstrip("\n") or None
 
