@@ -71,7 +71,7 @@ class StructuredOutputsParams:
             if isinstance(v, str):
                 try:
                     v = _json.loads(v)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:
                     raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}") from None
             if not isinstance(v, dict):
                 raise ValueError(f"structured_outputs.{name} must be a JSON object, got {type(v).__name__}.")

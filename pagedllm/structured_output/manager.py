@@ -124,7 +124,13 @@ class StructuredOutputManager:
         return self._backend_now().compile(*key)
 
     def add_request(self, request) -> None:
-        """Starts compiling ``request``'s grammar (a cache hit is ready at once)."""
+        """Starts compiling ``request``'s grammar (a cache hit is ready at once).
+
+        Raises:
+            ValueError: if the request id is already waiting for a grammar.
+        """
+        if request.request_id in self._pending or request.request_id in self._states:
+            raise ValueError(f"request_id {request.request_id!r} is already in use.")
         key = self._key(request.sampling_params.structured_outputs)
         fut = self._cache.get(key)
         if fut is None or (fut.done() and fut.exception() is not None):
@@ -160,12 +166,12 @@ class StructuredOutputManager:
         return ready, failed
 
     def wait_pending(self, timeout: Optional[float] = None) -> None:
-        """Blocks until every pending compile is done (tests)."""
-        for _, fut in list(self._pending.values()):
-            try:
-                fut.result(timeout)
-            except Exception:  # noqa: BLE001 - reported by take_ready
-                pass
+        """Blocks until one pending compile is done, or ``timeout`` s."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        futs = [f for _, f in self._pending.values()]
+        if futs:
+            wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def remove_requests(self, request_ids) -> list[Any]:
         """Forgets finished or aborted requests; returns those that were still waiting for a grammar."""
