@@ -62,6 +62,9 @@ CASES = [
     # bare JSON naming a declared tool with valid arguments (no tags): a call
     ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", '{"city": "Paris"}')],
      None),
+    # ... also in a Markdown code fence (what Qwen2.5-Coder-0.5B writes with tool_choice auto)
+    ("hermes", '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+     [("get_weather", '{\n    "city": "Paris"\n  }')], None),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}',
      [("get_weather", '{"city": "Paris"}')], None),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
@@ -100,6 +103,8 @@ NOT_CALLS = [
     ("hermes", '{"name": "get_weather", "arguments": {"town": "Paris"}}'),  # schema says city is required
     ("hermes", '{"name": "not_a_tool", "arguments": {}}'),
     ("hermes", '{"answer": 42}'),
+    ("hermes", '```python\nprint("hi")\n```'),
+    ("hermes", '```json\n{"name": "not_a_tool", "arguments": {}}\n```'),
     ("llama3_json", 'Here you go: {"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par'),  # truncated
     ("mistral", "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\" \"Paris\"}}]"),
