@@ -97,10 +97,16 @@ class EngineCore:
             outs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=msg))
         return outs
 
-    def _attach_grammar_bitmask(self, sched) -> None:
+    def _attach_grammar_bitmask(self, sched, overlap: bool = False) -> None:
+        """Sets ``sched.grammar_bitmask``. ``overlap`` (in-process runner): a future filled in the manager's mask
+        thread while the forward pass runs (the runner waits for it only before sampling; nothing advances the
+        matchers meanwhile)."""
         so = self.structured_output_manager
         if so is not None and so.has_constrained() and not sched.is_empty:
-            sched.grammar_bitmask = so.grammar_bitmask(sched, self.scheduler.requests)
+            if overlap:
+                sched.grammar_bitmask = so.grammar_bitmask_async(sched, self.scheduler.requests)
+            else:
+                sched.grammar_bitmask = so.grammar_bitmask(sched, self.scheduler.requests)
 
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
         """Feeds each step's accepted tokens to the matchers; forgets finished requests."""
@@ -121,8 +127,10 @@ class EngineCore:
         if self.structured_output_manager is not None and self.structured_output_manager.has_pending():
             extra = self._admit_grammar_requests()
         sched = self.scheduler.schedule()
-        self._attach_grammar_bitmask(sched)
+        self._attach_grammar_bitmask(sched, overlap=self.executor is None)
         out = self.runner.execute_model(sched)
+        if hasattr(sched.grammar_bitmask, "result"):
+            sched.grammar_bitmask.result()  # the fill is done before any matcher advances
         if sched.is_empty:
             return extra
         outputs = self.scheduler.update_from_output(sched, out)

@@ -101,6 +101,7 @@ class StructuredOutputManager:
         self._backend_future: Optional[Future] = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.max_compile_threads),
                                         thread_name_prefix="pagedllm-grammar")
+        self._mask_pool: Optional[ThreadPoolExecutor] = None  # one thread: bitmask fills beside the forward pass
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pending: dict[str, tuple[Any, Future]] = {}  # request id -> (request, compile future)
         self._states: dict[str, _RequestState] = {}
@@ -214,6 +215,13 @@ class StructuredOutputManager:
                 bitmask[j, t // 32] |= _bit(t % 32)
         return bitmask, {rid: j for j, rid in enumerate(rows)}
 
+    def grammar_bitmask_async(self, scheduler_output, requests: dict) -> Optional[Future]:
+        """``grammar_bitmask`` filled in the mask thread (a future of its result), or None when no constrained
+        request samples this step. The caller must not advance matchers until the future is done."""
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-mask")
+        return self._mask_pool.submit(self.grammar_bitmask, scheduler_output, requests)
+
     def accept_tokens(self, request_id: str, token_ids: Sequence[int],
                       history: Optional[Callable[[], list[int]]] = None) -> bool:
         """Advances the request's matcher over its newly accepted ``token_ids``. False if the grammar rejected one
@@ -249,6 +257,8 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _bit(k: int) -> int:
