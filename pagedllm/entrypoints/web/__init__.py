@@ -104,14 +104,21 @@ def build_web_router(engine, api_key: Union[None, str, Sequence[str]] = None, en
         return ok
 
     @router.get("/stats", include_in_schema=True, summary="Engine statistics for the dashboard (JSON)")
-    async def stats(request: Request, since: Optional[float] = None):
+    async def stats(request: Request, since: Optional[str] = None):
+        """``since``: Unix seconds; only newer points are returned in ``series``."""
         if not authorized(request):
             return _unauthorized()
-        if since is not None and not math.isfinite(since):
-            raise OpenAIServingError("since must be a finite number of Unix seconds.", 400, param="since",
-                                     code="invalid_value")
+        t_since = None
+        if since is not None:
+            try:
+                t_since = float(since)
+            except ValueError:
+                t_since = math.nan
+            if not math.isfinite(t_since):
+                raise OpenAIServingError(f"since must be a finite number of Unix seconds, got {since[:40]!r}.", 400,
+                                         param="since", code="invalid_value")
         sampler.start()
-        return JSONResponse(sampler.to_dict(since), headers={"Cache-Control": "no-store"})
+        return JSONResponse(sampler.to_dict(t_since), headers={"Cache-Control": "no-store"})
 
     if not enable_frontend:
         return router

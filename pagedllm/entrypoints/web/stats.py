@@ -122,33 +122,42 @@ def _first_attr(obj: Any, names: Sequence[str]) -> Any:
 
 
 def engine_info(engine, version: str = "") -> dict:
-    """The engine's configuration for the dashboard (all plain JSON values). ``engine``: an ``AsyncLLM``."""
+    """The engine's configuration for the dashboard (plain JSON values; None where the config doesn't say).
+    ``engine``: an ``AsyncLLM`` (anything with ``config`` and ``num_kv_blocks``)."""
     cfg = engine.config
-    mc, cc, sc = cfg.model, cfg.cache, cfg.scheduler
+    mc = cfg.model
+    cc = getattr(cfg, "cache", None)
+    sc = getattr(cfg, "scheduler", None)
     pc = getattr(cfg, "parallel", None)
-    quant = mc.quantization
+
+    def get(obj, name, cast=None):
+        v = getattr(obj, name, None)
+        return v if v is None or cast is None else cast(v)
+
+    quant = getattr(mc, "quantization", None)
     quant_name = None if quant is None else str(_first_attr(quant, ("method", "name")) or quant)
     # The kernels' ISA level lives in a KernelConfig once the kernels wing has one; until then: unknown (None).
     kernel = _first_attr(cfg, ("kernel", "kernel_config", "kernels"))
     isa = _first_attr(kernel, ("isa", "isa_level", "level")) if kernel is not None else None
     num_blocks = int(engine.num_kv_blocks)
+    block_size = get(cc, "block_size", int)
     return {
         "model": str(mc.model),
         "served_model_name": mc.served_model_name,
-        "architecture": mc.architecture,
+        "architecture": get(mc, "architecture"),
         "dtype": str(mc.dtype).replace("torch.", ""),
         "quantization": quant_name,
         "isa": None if isa is None else str(getattr(isa, "value", isa)),
-        "max_model_len": int(mc.max_model_len),
-        "block_size": int(cc.block_size),
+        "max_model_len": get(mc, "max_model_len", int),
+        "block_size": block_size,
         "num_kv_blocks": num_blocks,
         # Block 0 is the null block: usable tokens = (blocks - 1) * block_size.
-        "kv_cache_tokens": max(num_blocks - 1, 0) * int(cc.block_size),
-        "enable_prefix_caching": bool(cc.enable_prefix_caching),
-        "max_num_seqs": int(sc.max_num_seqs),
-        "max_num_batched_tokens": int(sc.max_num_batched_tokens),
-        "tensor_parallel_size": int(getattr(pc, "tensor_parallel_size", 1)),
-        "pipeline_parallel_size": int(getattr(pc, "pipeline_parallel_size", 1)),
+        "kv_cache_tokens": None if block_size is None else max(num_blocks - 1, 0) * block_size,
+        "enable_prefix_caching": get(cc, "enable_prefix_caching", bool),
+        "max_num_seqs": get(sc, "max_num_seqs", int),
+        "max_num_batched_tokens": get(sc, "max_num_batched_tokens", int),
+        "tensor_parallel_size": get(pc, "tensor_parallel_size", int) or 1,
+        "pipeline_parallel_size": get(pc, "pipeline_parallel_size", int) or 1,
         "engine_mode": getattr(engine, "engine_mode", None),
         "version": version,
     }

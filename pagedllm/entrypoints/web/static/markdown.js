@@ -1,5 +1,5 @@
 // A small Markdown renderer for model output that can't inject HTML: it builds DOM nodes and puts every piece of
-// model text in with textContent / createTextNode, never innerHTML. Raw HTML in the text stays text; links become
+// model text in with textContent / createTextNode, never parsed as HTML. Raw HTML in the text stays text; links become
 // anchors only for http(s) URLs; images are shown as links (nothing loads from model output).
 //
 // Blocks: paragraphs (single newlines kept as line breaks), ATX headings, fenced code (``` or ~~~, an unclosed fence
