@@ -268,5 +268,7 @@ def test_page_sources_fetch_nothing_external_and_never_parse_html():
             assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", text), p.name  # no inline script
             assert not re.search(r"\son\w+\s*=", text), p.name  # no inline handlers
             assert "style=" not in text, p.name
+            ids = re.findall(r'\sid="([^"]+)"', text)
+            assert len(ids) == len(set(ids)), (p.name, sorted(i for i in ids if ids.count(i) > 1))
     assert set(PAGE_PATHS.values()) <= {p.name for p in files}
     json.dumps(PAGE_PATHS)

@@ -20,7 +20,7 @@ const NUMBER_FIELDS = [
   ["max_tokens", "max_tokens", true],
   ["seed", "seed", true],
 ];
-const TEXT_FIELDS = ["stop", "json_schema", "extra_body"];
+const TEXT_FIELDS = ["stop_strings", "json_schema", "extra_body"];
 
 // ---------------------------------------------------------------------------------------------- state
 function load(key, fallback) {
@@ -95,7 +95,7 @@ function samplingFields() {
     }
     body[field] = v;
   }
-  const stops = $("stop").value.split("\n").filter((s) => s.length).map(unescapeStop);
+  const stops = $("stop_strings").value.split("\n").filter((s) => s.length).map(unescapeStop);
   if (stops.length) body.stop = stops;
   const schemaText = $("json_schema").value.trim();
   if (schemaText) {
