@@ -19,7 +19,8 @@ from test_async_llm import FakeEngine
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import add_serve_parser, build_app
-from pagedllm.entrypoints.web import ASSET_PREFIX, PAGE_PATHS, STATIC_DIR, build_web_router, is_public_path
+from pagedllm.entrypoints.web import (ASSET_PREFIX, PAGE_PATHS, PUBLIC_PATHS, STATIC_DIR, build_web_router,
+                                      is_public_path)
 from pagedllm.entrypoints.web.stats import StatsSampler, histogram_quantile, read_snapshot
 from pagedllm.metrics import ITL_BUCKETS, TTFT_BUCKETS, EngineMetrics
 
@@ -224,8 +225,9 @@ def test_api_key_guards_stats_and_not_the_page_shells():
             # The shells and scripts hold no data and load without the key; the pages then ask for it.
             for path in ("/", "/ui", "/dashboard", ASSET_PREFIX + "api.js"):
                 assert (await c.get(path)).status_code == 200, path
-                assert is_public_path(path)
+                assert is_public_path(path) and path in PUBLIC_PATHS
             assert not is_public_path("/stats") and not is_public_path("/v1/models")
+            assert "/stats" not in PUBLIC_PATHS and all(is_public_path(p) for p in PUBLIC_PATHS)
 
     asyncio.run(main())
     llm.shutdown()

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServingError, error_body
 from pagedllm.entrypoints.web.stats import StatsSampler
 
-__all__ = ["ASSET_PREFIX", "PAGE_PATHS", "STATIC_DIR", "build_web_router", "is_public_path"]
+__all__ = ["ASSET_PREFIX", "PAGE_PATHS", "PUBLIC_PATHS", "STATIC_DIR", "build_web_router", "is_public_path"]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 PAGE_PATHS = {"/": "index.html", "/ui": "index.html", "/ui/": "index.html", "/dashboard": "dashboard.html"}
@@ -51,6 +51,10 @@ _PAGE_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosn
 def is_public_path(path: str) -> bool:
     """True for the pages and their static assets (no data; they ask for the API key themselves)."""
     return path in PAGE_PATHS or path.startswith(ASSET_PREFIX)
+
+
+# The same as exact paths, for an auth layer that takes a set of open paths.
+PUBLIC_PATHS = frozenset(PAGE_PATHS) | frozenset(ASSET_PREFIX + p.name for p in STATIC_DIR.iterdir() if p.is_file())
 
 
 def _load_assets() -> dict[str, tuple[bytes, str]]:
