@@ -205,6 +205,7 @@ def _bench_load(url: str, n: int, out_len: int) -> dict:
 
 
 def test_dashboard_charts_update_while_a_bench_load_runs(page, server):
+    page.set_viewport_size({"width": 1280, "height": 1420})  # every chart and the config in the screenshot
     page.goto(server.url + "/dashboard")
     page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 2", timeout=15000)
     cfg = {r.locator("td").first.text_content(): r.locator("td").last.text_content()
@@ -413,3 +414,35 @@ def test_json_schema_box_sends_response_format_and_shows_a_refusal(page, keyed_s
         assert r.status_code == 200, r.text
         assert msg.get_attribute("data-state") == "done"
         json.loads(msg.locator(".bubble").text_content())
+
+
+MARKDOWN_CASES = [
+    # (markdown, the rendered tree as tag(children) with text in quotes)
+    ("# Title\nplain *em* **strong** ~~del~~ `code`",
+     'h1("Title") p("plain " em("em") " " strong("strong") " " del("del") " " code("code"))'),
+    ("a_snake_case_name and _em_", 'p("a_snake_case_name and " em("em"))'),
+    ("line one\nline two\n\nnext", 'p("line one" br() "line two") p("next")'),
+    ("- a\n- b\n  - c\n- d", 'ul(li("a") li("b" ul(li("c"))) li("d"))'),
+    ("3. x\n4. y", 'ol(li("x") li("y"))'),
+    ("```py\nx = 1\n```", 'div(div(span("py") button("Copy")) pre(code("x = 1")))'),
+    ("```\nunclosed <b>", 'div(div(span("code") button("Copy")) pre(code("unclosed <b>")))'),
+    ("> quoted\n> more", 'blockquote(p("quoted" br() "more"))'),
+    ("| a | b |\n|:--|--:|\n| 1 | 2 |", 'table(thead(tr(th("a") th("b"))) tbody(tr(td("1") td("2"))))'),
+    ("[x](https://a.invalid/p?q=1) [y](javascript:alert(1)) https://b.invalid/z.",
+     'p(a("x") " [y](javascript:alert(1)) " a("https://b.invalid/z") ".")'),
+    ("\\*not em\\* <i>raw</i>", 'p("*not em* <i>raw</i>")'),
+    ("---", "hr()"),
+]
+
+
+def test_markdown_renderer_cases(page, keyed_server):
+    """The renderer module on its own, in the page's origin: the DOM tree it builds for each case."""
+    page.goto(keyed_server + "/ui/static/style.css")  # any same-origin document lets the module be imported
+    trees = page.evaluate("""async (cases) => {
+        const { renderMarkdown } = await import('/ui/static/markdown.js');
+        const tree = (n) => n.nodeType === 3 ? JSON.stringify(n.data)
+            : n.tagName.toLowerCase() + '(' + [...n.childNodes].map(tree).join(' ') + ')';
+        return cases.map((md) => [...renderMarkdown(md).childNodes].map(tree).join(' '));
+    }""", [md for md, _ in MARKDOWN_CASES])
+    for (md, want), got in zip(MARKDOWN_CASES, trees):
+        assert got == want, (md, got)

@@ -109,9 +109,12 @@ function list(lines, start) {
       break;
     }
     const li = el("li");
-    const inner = blocks(body);
-    if (inner.length === 1 && inner[0].tagName === "P") li.append(...inner[0].childNodes);
-    else li.append(...inner);
+    // A tight item (no blank line inside) shows its paragraphs as plain text beside any sub-list.
+    const tight = !body.includes("");
+    for (const b of blocks(body)) {
+      if (tight && b.tagName === "P") li.append(...b.childNodes);
+      else li.append(b);
+    }
     node.append(li);
     while (i < lines.length && !lines[i].trim() && i + 1 < lines.length && LIST_ITEM.test(lines[i + 1]) &&
            LIST_ITEM.exec(lines[i + 1])[1].length === indent) i++;
