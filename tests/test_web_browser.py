@@ -187,7 +187,7 @@ def test_stop_mid_stream_ends_the_request_on_the_server(page, server):
     assert not page.errors, page.errors
 
 
-NUM_LOAD = 6  # requests of the bench load, 4 at a time
+NUM_LOAD = 4  # requests of the bench load, all at once
 
 
 def _bench_load(url: str, n: int, out_len: int) -> dict:
@@ -225,7 +225,7 @@ def test_dashboard_charts_update_while_a_bench_load_runs(page, server):
 
     def run_load():
         try:
-            result.update(_bench_load(server.url, n=NUM_LOAD, out_len=24))
+            result.update(_bench_load(server.url, n=NUM_LOAD, out_len=16))
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             result["error"] = repr(e)
 
