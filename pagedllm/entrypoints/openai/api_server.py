@@ -127,8 +127,8 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
         api_key: if set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
         served_model_names: names accepted in ``model`` (default: the config's served model name).
         chat_template: overrides the model's chat template.
-        shutdown_engine: stop the engine thread when the app shuts down.
         enable_frontend: serve the web playground and dashboard (``/stats`` is served either way).
+        shutdown_engine: stop the engine thread when the app shuts down.
     """
     if isinstance(engine, EngineArgs):
         engine = AsyncLLM.from_engine_args(engine)
@@ -286,8 +286,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                    help="If set, /v1/* requests must send 'Authorization: Bearer <key>' (else 401). "
                         "Default: $PAGEDLLM_API_KEY.")
-    g.add_argument("--disable-frontend", action="store_true",
-                   help="Don't serve the web playground (/, /ui) and dashboard (/dashboard); /stats stays.")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default info).")
@@ -298,6 +296,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--engine-mode", default="thread", choices=["thread", "process"],
                    help="Where the engine loop runs: a thread beside the event loop (default), or a child process "
                         "(outputs cross a pipe; the HTTP side then never competes with the step for the GIL).")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="Don't serve the web playground (/, /ui) and dashboard (/dashboard); /stats stays.")
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
