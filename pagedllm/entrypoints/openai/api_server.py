@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve`` (FastAPI + uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /reset_prefix_cache``.
+``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /reset_prefix_cache``; and from
+``pagedllm.entrypoints.web``: ``GET /stats``, the playground (``/``, ``/ui``) and the dashboard (``/dashboard``).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid request (schema and JSON
 errors too, instead of FastAPI's 422), 401 on ``/v1/*`` without the ``--api-key``, 404 for an unknown model or
@@ -119,7 +120,7 @@ async def _until_disconnect(request: Request, work: Awaitable) -> Any:
 
 def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None,
               served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
-              shutdown_engine: bool = True, enable_auto_tool_choice: bool = False,
+              shutdown_engine: bool = True, enable_frontend: bool = True, enable_auto_tool_choice: bool = False,
               tool_call_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app over ``engine`` (an ``AsyncLLM``, or ``EngineArgs`` to build one now).
 
@@ -127,6 +128,7 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
         api_key: if set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
         served_model_names: names accepted in ``model`` (default: the config's served model name).
         chat_template: overrides the model's chat template.
+        enable_frontend: serve the web playground and dashboard (``/stats`` is served either way).
         shutdown_engine: stop the engine thread when the app shuts down.
         enable_auto_tool_choice, tool_call_parser: vLLM's flags (``tool_choice: auto`` parses the model's calls
             with the named parser; ``required`` and a named tool work without them).
@@ -268,6 +270,9 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat.create_chat_completion(req), req.stream)
 
+    from pagedllm.entrypoints.web import build_web_router
+
+    app.include_router(build_web_router(engine, api_key=api_key, enable_frontend=enable_frontend, version=_version()))
     return app
 
 
@@ -298,6 +303,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--engine-mode", default="thread", choices=["thread", "process"],
                    help="Where the engine loop runs: a thread beside the event loop (default), or a child process "
                         "(outputs cross a pipe; the HTTP side then never competes with the step for the GIL).")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="Don't serve the web playground (/, /ui) and dashboard (/dashboard); /stats stays.")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")
     g.add_argument("--tool-call-parser", default=None,
@@ -336,8 +343,8 @@ def run_server(ns: argparse.Namespace) -> int:
     cfg = engine.config
     num_blocks = engine.num_kv_blocks
     dtype = str(cfg.model.dtype).replace("torch.", "")
-    app = build_app(engine, api_key=ns.api_key, enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                    tool_call_parser=ns.tool_call_parser)
+    app = build_app(engine, api_key=ns.api_key, enable_frontend=not ns.disable_frontend,
+                    enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     # The model, tokenizer and app live as long as the process: take them out of the cyclic GC's generations so
     # collections during serving don't rescan them between engine steps (as vLLM's server does after start-up).
     gc.collect()
