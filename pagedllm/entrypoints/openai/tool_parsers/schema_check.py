@@ -1,4 +1,5 @@
-"""Does a tool call's arguments object match its function's ``parameters`` JSON schema (``jsonschema``)?"""
+"""Does a tool call's arguments object match its function's ``parameters`` JSON schema (``jsonschema``; remote
+``$ref``s are never fetched: jsonschema's default registry resolves none)?"""
 
 from __future__ import annotations
 
@@ -17,4 +18,6 @@ def arguments_match_schema(args: Any, schema: dict) -> bool:
         return False
     except jsonschema.SchemaError:
         return True
+    except Exception:  # noqa: BLE001 - an unresolvable $ref, a bad pattern...: not a call we can vouch for
+        return False
     return True
