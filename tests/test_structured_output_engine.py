@@ -61,8 +61,9 @@ def test_preemption_mid_constrained_request_ends_valid_and_unchanged(llm):
     sp = SamplingParams(temperature=1.0, seed=11, max_tokens=48, structured_outputs=StructuredOutputsParams(
         json=SCHEMA))
     ref = _chat(llm, PROMPTS, sp)
-    # 20 blocks of 16 tokens: each request fits alone, the four together don't -> recompute preemption.
-    small = llm.with_engine_args(num_gpu_blocks_override=20, kv_cache_memory_bytes=None, max_model_len=256)
+    # 11 blocks of 16 tokens: each request (~40 prompt + ~25 output tokens) fits alone, the four together don't
+    # -> recompute preemption.
+    small = llm.with_engine_args(num_gpu_blocks_override=11, kv_cache_memory_bytes=None, max_model_len=160)
     outs = _chat(small, PROMPTS, sp)
     assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
     for r, o in zip(ref, outs):

@@ -52,6 +52,7 @@ class RequestResult:
     error: str = ""
     start_time: float = 0.0
     schema: Optional[dict] = None  # the JSON schema the request was constrained to (json-schema workload)
+    finish_reason: Optional[str] = None
 
 
 def _percentile(xs: list[float], p: float) -> float:
@@ -127,6 +128,7 @@ async def _send(session, base_url: str, headers: dict, req: BenchRequest, backen
                     if d.get("usage"):
                         usage = d["usage"]
                     for ch in d.get("choices") or ():
+                        res.finish_reason = ch.get("finish_reason") or res.finish_reason
                         text = (ch.get("delta") or {}).get("content") if backend == "openai-chat" else ch.get("text")
                         if text:
                             now = time.perf_counter()
@@ -234,6 +236,8 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
         m["structured_requests"] = len(constrained)
         m["valid_outputs"] = sum(_valid_json(r.generated_text, r.schema) for r in constrained if r.success)
         m["valid_output_rate"] = m["valid_outputs"] / len(constrained)
+        # invalid ones cut off by max_tokens (an unfinished JSON text) vs finished but invalid (a grammar bug)
+        m["structured_cut_by_length"] = sum(1 for r in constrained if r.success and r.finish_reason == "length")
     m["errors"] = sorted({r.error for r in results if not r.success})[:10]
     m["input_lens"] = [r.prompt_len for r in ok]
     m["output_lens"] = [r.output_tokens for r in ok]
@@ -279,6 +283,7 @@ def format_table(m: dict, percentiles: tuple[float, ...] = (99.0,), title: str =
     if "structured_requests" in m:
         row("Structured requests:", m["structured_requests"], "{:<10}")
         row("Valid outputs (JSON, schema):", f"{m['valid_outputs']} ({100 * m['valid_output_rate']:.1f}%)")
+        row("Structured outputs cut by max_tokens:", m["structured_cut_by_length"], "{:<10}")
     for name, head in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"{head:-^{w}}")
