@@ -50,8 +50,9 @@ def test_valid_output_rate():
     wrong_type = RequestResult(success=True, output_tokens=5, ttft=0.1, latency=0.5, schema=schema,
                                generated_text=json.dumps({"answer": "42", "reason": "x"}))
     cut = RequestResult(success=True, output_tokens=5, ttft=0.1, latency=0.5, schema=schema,
-                        generated_text='{"answer": 42, "rea')
+                        generated_text='{"answer": 42, "rea', finish_reason="length")
     plain = RequestResult(success=True, output_tokens=5, ttft=0.1, latency=0.5, generated_text="hello")
     m = compute_metrics([good, wrong_type, cut, plain], 1.0, max_concurrency=None, request_rate=float("inf"))
     assert m["structured_requests"] == 3 and m["valid_outputs"] == 1
     assert abs(m["valid_output_rate"] - 1 / 3) < 1e-9
+    assert m["structured_cut_by_length"] == 1
