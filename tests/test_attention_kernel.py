@@ -9,6 +9,7 @@ import torch
 
 from pagedllm import kernels
 from pagedllm.attention import cpu_kernels
+from conftest import require_native
 from pagedllm.attention.torch_attn import Attention, build_attention_metadata
 
 
@@ -39,8 +40,7 @@ def reference(q, k_cache, v_cache, block_tables, seq_lens, rows, scale, window):
 @pytest.mark.parametrize("D", [32, 64, 128, 40])  # 64/128: specialised vector paths; 40: scalar fallback
 @pytest.mark.parametrize("n", [5, 1])  # 5 requests: one task per request; 1: one task per KV head
 def test_kernel_matches_reference(dtype, tol, window, D, n):
-    if cpu_kernels.get_lib() is None:
-        pytest.fail("the CPU kernel failed to build (is gcc installed?)")
+    require_native(cpu_kernels.get_lib())
     torch.manual_seed(0)
     H, KVH, BS, NB = 6, 2, 4, 64
     k_cache = torch.randn(NB, BS, KVH, D).to(dtype)
@@ -186,8 +186,7 @@ def test_decode_kernel_block16_matches_reference(amx, H, KVH, D, window, monkeyp
     """block_size 16 (whole 16-token tiles inside a block): the score pass runs on AMX tiles where they are
     available (``amx_attention`` on) and on vdpbf16ps otherwise; both against float64. Cache rows past each
     context in its last block hold NaN, which the tile loads read and must mask out."""
-    if cpu_kernels.get_lib() is None:
-        pytest.fail("the CPU kernel failed to build (is gcc installed?)")
+    require_native(cpu_kernels.get_lib())
     cfg = dataclasses.replace(kernels.config(), amx_attention=amx == "1")
     with kernels.use(cfg):
         _decode_block16_case(H, KVH, D, window)

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import cpu_kernels
+from conftest import require_native
 from pagedllm.layers.packed_linear import (PackedLinear, amx_linear_supported, lm_head_logits, pack_linear_weights,
                                           packing_supported)
 
 
 @pytest.fixture(autouse=True)
 def _lib():
-    if cpu_kernels.get_lib() is None:
-        pytest.fail("the CPU kernels failed to build (is gcc installed?)")
+    require_native(cpu_kernels.get_lib())
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300, 600])  # 600 x 576: over the threshold where rows run in parallel

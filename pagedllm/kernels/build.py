@@ -83,7 +83,7 @@ def command(lib: Library, level: str) -> list[str]:
 def cache_key(lib: Library, level: str) -> str:
     cmd = command(lib, level)
     h = hashlib.sha256()
-    h.update("\0".join(cmd).encode())
+    h.update("\0".join(os.path.basename(a) if a.endswith(".c") else a for a in cmd).encode())  # not the install path
     h.update(compiler_identity(cmd[0]).encode())
     h.update(" ".join(sorted(cpu_flags())).encode())
     for path in source_closure([os.path.join(CSRC, s) for s in lib.sources]):
