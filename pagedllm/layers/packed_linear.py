@@ -1,6 +1,6 @@
 """Linear layers with their weights pre-packed once at load for the CPU's matrix units (bfloat16).
 
-Two backends, chosen per layer when it is packed:
+Three backends, chosen per layer when it is packed:
 
 - **AMX** (``csrc/amx_linear.c``, on CPUs with AMX-TILE and AMX-BF16, when ``out_features`` and ``in_features`` are
   multiples of 32): our own tile kernel over a weight layout it streams sequentially. At decode batch sizes it reads
@@ -8,6 +8,9 @@ Two backends, chosen per layer when it is packed:
   a step, rows 16: 12.4 vs 21.8 ms; the tied LM head: 1.6 vs 4.5 ms); at prefill sizes it is on par with oneDNN on a
   quiet host (~2 TFLOP/s at 2,048 rows) and ahead of it when one core is slowed, as its work units are taken
   dynamically.
+- **dpbf16** (``csrc/dpbf16_linear.c``, on CPUs without AMX that have AVX512-BF16, e.g. AMD Zen 4, same shape rule):
+  our own VDPBF16PS kernel with the AMX kernel's ABI and output modes over a sequentially streamed layout, batch
+  invariant (a row's sums run in the same order whatever the number of rows). Figures: benchmarks/RESULTS.md.
 - **oneDNN** otherwise: ``F.linear`` on a plain bf16 weight makes oneDNN reorder the weight into its blocked layout
   on every call, which at decode batch sizes costs as much as the matmul. Packing once
   (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's weight freezing uses) and calling
@@ -17,7 +20,7 @@ Only exact ``nn.Linear`` modules with bf16 weights on CPU are packed (quantized 
 own kernels), except those marked ``keep_weight = True`` because the model reads their ``.weight`` itself. The
 original weight is dropped (the packed copy replaces it), except tied LM heads, whose weight is also the embedding
 table: those get an extra packed copy. Set ``PAGEDLLM_PACK_WEIGHTS=0`` to keep plain weights, and
-``PAGEDLLM_AMX_LINEAR=0`` to pack every layer for oneDNN instead of the AMX kernel.
+``PAGEDLLM_AMX_LINEAR=0`` to pack for the dpbf16 kernel (or oneDNN where it can't run) instead of the AMX kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.dpbf16 import dpbf16_lib
 from pagedllm.utils.amx import amx_lib
 
 logger = logging.getLogger(__name__)
@@ -56,13 +60,30 @@ def amx_linear_supported() -> bool:
     return os.environ.get("PAGEDLLM_AMX_LINEAR", "1") != "0" and amx_lib() is not None
 
 
+def dpbf16_backend_supported() -> Optional[str]:
+    """The level of the dpbf16 kernel layers get here when AMX isn't used (``"avx512_bf16"``), or None: no
+    AVX512-BF16 on this CPU (its AVX2 build runs everywhere but isn't chosen, see benchmarks/RESULTS.md), no compiler.
+    """
+    lib = dpbf16_lib()
+    level = None if lib is None else lib.level()
+    return level if level == "avx512_bf16" else None
+
+
+def backend_lib(backend: str):
+    """The ctypes library of a kernel backend (``"amx"``, ``"dpbf16"``), whose ``<prefix>_linear_bf16`` PackedLinear
+    calls; None for ``"onednn"``."""
+    if backend == "amx":
+        return amx_lib()
+    return dpbf16_lib().get() if backend == "dpbf16" else None
+
+
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W [out_features, in_features]`` held packed for the AMX kernel or oneDNN.
+    """``y = x @ W.T + b`` with ``W [out_features, in_features]`` held packed for the AMX or dpbf16 kernel or oneDNN.
 
-    forward(x [..., in_features] bf16) -> [..., out_features] bf16. Both backends sum in float32 and round once to
-    bf16 (AMX: bias added in float32 before the rounding; oneDNN: the bf16 bias); ``backend`` says which one.
+    forward(x [..., in_features] bf16) -> [..., out_features] bf16. All backends sum in float32 and round once to
+    bf16 (our kernels: bias added in float32 before the rounding; oneDNN: the bf16 bias); ``backend`` says which one.
 
-    ``silu_gated=True`` (a SwiGLU ``gate_up_proj``, ``W = [gate; up]``): on the AMX backend the two halves are packed
+    ``silu_gated=True`` (a SwiGLU ``gate_up_proj``, ``W = [gate; up]``): on our kernels the two halves are packed
     side by side so that ``forward_silu_mul`` returns ``silu(gate) * up [..., out_features / 2]`` straight from the
     matmul (no ``[T, 2I]`` intermediate, no separate pass), equal bit for bit to ``forward`` then
     ``attention.cpu_kernels.silu_and_mul``.
@@ -71,32 +92,43 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], silu_gated: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.backend = "amx" if self.uses_amx(self.out_features, self.in_features) else "onednn"
-        self.gated = self.backend == "amx" and silu_gated and self.out_features % 64 == 0
+        self.backend = self.choose_backend(self.out_features, self.in_features)
+        ours = self.backend != "onednn"
+        self.gated = ours and silu_gated and self.out_features % 64 == 0
         with torch.no_grad():
             w = weight.detach().contiguous()
             b32 = None if bias is None else bias.detach().float().contiguous()
-            if self.backend == "amx":
+            if ours:
                 if self.gated:  # each 32-row group: 16 gate rows, then the 16 matching up rows
                     w = _interleave_halves(w)
                     b32 = None if b32 is None else _interleave_halves(b32[:, None])[:, 0].contiguous()
                 packed = torch.empty(w.numel(), dtype=torch.bfloat16)
-                amx_lib().amx_pack(w.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
+                pack = getattr(backend_lib(self.backend), f"{self.backend}_pack")
+                pack(w.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # The AMX kernel adds a float32 bias (in packed row order) before its one rounding.
-        self._bias_f32 = b32 if self.backend == "amx" else None
-        self._amx = amx_lib().amx_linear_bf16 if self.backend == "amx" else None
+        # Our kernels add a float32 bias (in packed row order) before their one rounding.
+        self._bias_f32 = b32 if ours else None
+        self._amx = getattr(backend_lib(self.backend), f"{self.backend}_linear_bf16") if ours else None
         # Raw pointers for the kernel call, with references that keep their tensors alive.
-        self._w, self._w_ptr = packed, (packed.data_ptr() if self.backend == "amx" else None)
+        self._w, self._w_ptr = packed, (packed.data_ptr() if ours else None)
         self._b_ptr = None if self._bias_f32 is None else self._bias_f32.data_ptr()
 
     @staticmethod
     def uses_amx(out_features: int, in_features: int) -> bool:
         """Whether a layer of this shape gets the AMX backend here."""
         return out_features % 32 == 0 and in_features % 32 == 0 and amx_linear_supported()
+
+    @staticmethod
+    def choose_backend(out_features: int, in_features: int) -> str:
+        """``"amx"``, else ``"dpbf16"`` (AVX512-BF16, same shape rule), else ``"onednn"``."""
+        if PackedLinear.uses_amx(out_features, in_features):
+            return "amx"
+        if out_features % 32 == 0 and in_features % 32 == 0 and dpbf16_backend_supported():
+            return "dpbf16"
+        return "onednn"
 
     def _run(self, x: torch.Tensor, mode: int, n_out: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():  # the model's rows come as they are
@@ -116,7 +148,7 @@ class PackedLinear(nn.Module):
         return self._run(x, 1 if self.gated else 0, self.out_features)
 
     def forward_f32(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """``x @ W.T + b`` as float32 ``[..., out_features]``: the AMX kernel's fp32 sums without the bf16 rounding
+        """``x @ W.T + b`` as float32 ``[..., out_features]``: our kernel's fp32 sums without the bf16 rounding
         (for logits: a bf16 logit of magnitude 8-16 is only resolved to 1/16, so near-ties turn into exact ties).
         None on the oneDNN backend or a gated layer."""
         if self._amx is None or self.gated:
@@ -161,7 +193,7 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """``hidden [N, hidden] -> logits [N, vocab]`` through the packed head when there is one: float32 when that head
-    runs on the AMX kernel (its fp32 sums, unrounded), else in the model dtype."""
+    runs on our kernels (AMX or dpbf16: their fp32 sums, unrounded), else in the model dtype."""
     packed = getattr(model, "lm_head_packed", None)
     if packed is None and isinstance(model.lm_head, PackedLinear):
         packed = model.lm_head

@@ -50,6 +50,7 @@
 
 #define UNIT_ROWS 96                    /* rows of one work unit: 96 x K bf16 stays in L2 with a weight block */
 #define UNIT_WEIGHT_BYTES (256 * 1024)  /* weights of one work unit (at most) when M > UNIT_ROWS, bytes */
+#define KC 128                          /* K pairs of one pass over the rows: 16 KB of a block's weights */
 
 /* 2: AVX512-BF16 kernels, 1: AVX2 + FMA, 0: scalar C. */
 int dpbf16_supported(void) { return DP_LEVEL; }
@@ -87,14 +88,14 @@ static inline int64_t out_col(int64_t N, int64_t b, int v, int mode) {
 #if DP_LEVEL == 2
 /* rows [0, mr) of x (row stride K) x block weights wb (nv vectors a pair) -> emitted into out rows. */
 static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
-                                                               const int nv, const int mr, const float *bias,
+                                                               const int nv, const int mr, int64_t p0, int64_t p1,
+                                                               float *ab, int first, int last, const float *bias,
                                                                void *out, int64_t ldo, int64_t N, int64_t b,
                                                                int mode) {
     __m512 acc[MR][4];
     for (int r = 0; r < mr; r++)
-        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
-    const int64_t KP = K / 2;
-    for (int64_t p = 0; p < KP; p++) {
+        for (int v = 0; v < nv; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(ab + 64 * r + 16 * v);
+    for (int64_t p = p0; p < p1; p++) {
         __m512i w[4];
         for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
         for (int r = 0; r < mr; r++) {
@@ -104,6 +105,11 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
             for (int v = 0; v < nv; v++)
                 acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)xb, (__m512bh)w[v]);
         }
+    }
+    if (!last) {
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < nv; v++) _mm512_store_ps(ab + 64 * r + 16 * v, acc[r][v]);
+        return;
     }
     const float *bb = bias ? bias + 64 * b : NULL;
     for (int r = 0; r < mr; r++) {
@@ -172,13 +178,14 @@ static inline __m256 silu8(__m256 g) {
 /* rows [0, mr) x the block's vectors [v0, v0 + nsv) (16 columns each; nv a pair in the layout). */
 static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_t *x, int64_t K, const uint16_t *wb,
                                                                     int nv, const int v0, const int nsv, const int mr,
-                                                                    const float *bias, void *out, int64_t ldo,
-                                                                    int64_t N, int64_t b, int mode) {
+                                                                    int64_t p0, int64_t p1, float *ab, int first,
+                                                                    int last, const float *bias, void *out,
+                                                                    int64_t ldo, int64_t N, int64_t b, int mode) {
     __m256 acc[MR][8]; /* [row][2 v + half] */
     for (int r = 0; r < mr; r++)
-        for (int h = 0; h < 2 * nsv; h++) acc[r][h] = _mm256_setzero_ps();
-    const int64_t KP = K / 2;
-    for (int64_t p = 0; p < KP; p++) {
+        for (int h = 0; h < 2 * nsv; h++)
+            acc[r][h] = first ? _mm256_setzero_ps() : _mm256_load_ps(ab + 64 * r + 16 * v0 + 8 * h);
+    for (int64_t p = p0; p < p1; p++) {
         const uint16_t *wp = wb + (p * nv + v0) * 32;
         for (int h = 0; h < 2 * nsv; h++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(wp + 16 * h));
@@ -189,6 +196,11 @@ static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_
                 acc[r][h] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[r][h]));
             }
         }
+    }
+    if (!last) {
+        for (int r = 0; r < mr; r++)
+            for (int h = 0; h < 2 * nsv; h++) _mm256_store_ps(ab + 64 * r + 16 * v0 + 8 * h, acc[r][h]);
+        return;
     }
     const float *bb = bias ? bias + 64 * b : NULL;
     for (int r = 0; r < mr; r++)
@@ -217,23 +229,26 @@ static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_
 /* One row: the whole block at once (8 accumulators); several rows: two 16-column vectors at a time (a gate/up pair)
  * for MR rows (8 accumulators). Either way each element's sum runs over K in the same order. */
 static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
-                                                               const int nv, const int mr, const float *bias,
+                                                               const int nv, const int mr, int64_t p0, int64_t p1,
+                                                               float *ab, int first, int last, const float *bias,
                                                                void *out, int64_t ldo, int64_t N, int64_t b,
                                                                int mode) {
     if (mr == 1) {
-        kernel_rows_part(x, K, wb, nv, 0, nv, 1, bias, out, ldo, N, b, mode);
+        kernel_rows_part(x, K, wb, nv, 0, nv, 1, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
     } else {
-        for (int v0 = 0; v0 < nv; v0 += 2) kernel_rows_part(x, K, wb, nv, v0, 2, mr, bias, out, ldo, N, b, mode);
+        for (int v0 = 0; v0 < nv; v0 += 2)
+            kernel_rows_part(x, K, wb, nv, v0, 2, mr, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
     }
 }
 #else
 /* Scalar: one row of one block, element by element (one out-of-line function, so every element is summed by the
  * same code whatever M). acc [nv * 16]. */
-static __attribute__((noinline)) void row_sums(const uint16_t *x, int64_t K, const uint16_t *wb, int nv, float *acc) {
+static __attribute__((noinline)) void row_sums(const uint16_t *x, int64_t p0, int64_t p1, const uint16_t *wb,
+                                                int nv, float *acc) {
     for (int j = 0; j < 16 * nv; j++) {
         const int v = j / 16, c = j % 16;
-        float a = 0.f;
-        for (int64_t p = 0; p < K / 2; p++) {
+        float a = acc[j];
+        for (int64_t p = p0; p < p1; p++) {
             const uint16_t *w = wb + (p * nv + v) * 32 + 2 * c;
             a = fmaf(bf16_to_f32(x[2 * p]), bf16_to_f32(w[0]), a);
             a = fmaf(bf16_to_f32(x[2 * p + 1]), bf16_to_f32(w[1]), a);
@@ -241,12 +256,15 @@ static __attribute__((noinline)) void row_sums(const uint16_t *x, int64_t K, con
         acc[j] = a;
     }
 }
-static void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb, const int nv, const int mr,
-                        const float *bias, void *out, int64_t ldo, int64_t N, int64_t b, int mode) {
-    float acc[64];
+static void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb, const int nv, const int mr, int64_t p0,
+                        int64_t p1, float *ab, int first, int last, const float *bias, void *out, int64_t ldo,
+                        int64_t N, int64_t b, int mode) {
     const float *bb = bias ? bias + 64 * b : NULL;
     for (int r = 0; r < mr; r++) {
-        row_sums(x + r * K, K, wb, nv, acc);
+        float *acc = ab + 64 * r;
+        if (first) memset(acc, 0, 64 * sizeof(float));
+        row_sums(x + r * K, p0, p1, wb, nv, acc);
+        if (!last) continue;
         for (int j = 0; j < 16 * nv; j++) acc[j] += bb ? bb[j] : 0.f;
         for (int v = 0; v < nv; v++) {
             const int64_t col = out_col(N, b, v, mode);
@@ -269,18 +287,26 @@ static void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb, const 
 }
 #endif
 
-/* Rows [m0, m1) of block b; the row blocks of MR, the last one shorter (each size its own unrolled kernel). */
+/* Rows [m0, m1) (at most UNIT_ROWS) of block b: K in chunks of KC pairs (their weights stay in L1 while every row
+ * block passes, the partial sums wait in float32 in `ab`, so each element is still summed in K order); the row blocks
+ * of MR rows, the last one shorter (each size its own unrolled kernel). */
 static void block_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t K, const uint16_t *P, int64_t N,
                        int64_t b, const float *bias, void *out, int mode) {
     const int nv = block_nv(N, b);
     const uint16_t *wb = P + 64 * b * K;
     const int64_t ldo = mode == 2 ? N / 2 : N;
     const int64_t esz = mode == 3 ? 4 : 2;
+    const int64_t KP = K / 2;
+    float ab[UNIT_ROWS * 64] __attribute__((aligned(64)));
+    for (int64_t p0 = 0; p0 < KP; p0 += KC) {
+    const int64_t p1 = p0 + KC < KP ? p0 + KC : KP;
+    const int first = p0 == 0, last = p1 == KP;
     for (int64_t m = m0; m < m1; m += MR) {
         const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
         const uint16_t *xm = x + m * K;
         void *om = (char *)out + m * ldo * esz;
-#define KR(NV, R) kernel_rows(xm, K, wb, NV, R, bias, om, ldo, N, b, mode)
+        float *am = ab + (m - m0) * 64;
+#define KR(NV, R) kernel_rows(xm, K, wb, NV, R, p0, p1, am, first, last, bias, om, ldo, N, b, mode)
 #define KNV(R) \
     if (nv == 4) KR(4, R); else KR(2, R);
         switch (mr) {
@@ -297,6 +323,7 @@ static void block_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t K, con
         }
 #undef KNV
 #undef KR
+    }
     }
 }
 
