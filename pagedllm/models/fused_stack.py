@@ -6,11 +6,12 @@ the same kernels, in the same order, on the same data, through function pointers
 path's bit for bit (``tests/test_fused_stack.py``); only the per-call overhead goes.
 
 It runs where every layer is a fast path: bf16, one process (no tensor/pipeline parallelism), every linear either a
-``PackedLinear`` on the AMX kernel (gate_up packed gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is
+``PackedLinear`` on one of our bf16 kernels, all on the same one (AMX, or dpbf16 on CPUs without AMX; gate_up packed
+gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is
 (GGUF Q4_0/Q4_1, GPTQ/AWQ without act-order or bias; then only steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens, i.e.
 decode), no q/k norm (Qwen3), the C RMSNorm/RoPE/decode-attention kernels built, one attention metadata for all
 layers, and for steps with prefill tokens the AMX prefill attention kernel available (head_dim % 32 == 0, <= 128;
-block_size % 16 == 0). Elsewhere, and with ``PAGEDLLM_FUSED_STACK=0``, the model's Python layer loop runs as before.
+block_size % 16 == 0; so without AMX only decode-only steps are fused). Elsewhere, and with ``PAGEDLLM_FUSED_STACK=0``, the model's Python layer loop runs as before.
 Measured (SmolLM2, interleaved, best of 40 steps): bf16 batch 1 11.7-12.7 vs 15.3-15.7 ms, batch 16 at 500-token
 contexts 23.3-24.4 vs 28.3-28.9 ms; the 4-bit GGUF at batch 1 7.2-7.3 vs 10.9-16.4 ms.
 """
@@ -68,13 +69,13 @@ def _addr(lib: ctypes.CDLL, name: str) -> int:
 
 
 def _linear_kind(mod: Any) -> Optional[int]:
-    """0: a ``PackedLinear`` on the AMX kernel; 1: an int4 ``QuantLinear`` the int4 GEMV takes as it is (no input
+    """0: a ``PackedLinear`` on one of our kernels (AMX or dpbf16: the same ABI); 1: an int4 ``QuantLinear`` the int4 GEMV takes as it is (no input
     permutation, no bias, bf16 scales, group % 4 == 0); None: another layer (the fused loop doesn't run)."""
     from pagedllm.layers.packed_linear import PackedLinear
     from pagedllm.layers.quantization.linear import QuantLinear
 
     if type(mod) is PackedLinear:
-        return 0 if mod.backend == "amx" else None
+        return 0 if mod.backend in ("amx", "dpbf16") else None
     if (type(mod) is QuantLinear and mod.kind == "int4" and mod.perm is None and mod.bias is None
             and mod.scales_and_zeros.dtype == torch.bfloat16 and mod._kernel_group % 4 == 0):
         return 1
@@ -90,7 +91,7 @@ class FusedStack:
     """
 
     def __init__(self, model: Any, lib: ctypes.CDLL, cpu: ctypes.CDLL, amx: Optional[ctypes.CDLL],
-                 int4: Optional[ctypes.CDLL], prefill_ok: bool) -> None:
+                 int4: Optional[ctypes.CDLL], prefill_ok: bool, linear_fn: Optional[int] = None) -> None:
         layers = list(model.layers)
         a0 = layers[0].self_attn
         self.hidden = layers[0].input_layernorm.hidden_size
@@ -122,8 +123,9 @@ class FusedStack:
         m.eps, m.scale = layers[0].input_layernorm.eps, a0.attn.scale
         m.rms, m.rope = _addr(cpu, "add_rms_norm_bf16"), _addr(cpu, "rope_cache_bf16")
         m.decode, m.silu_mul = _addr(cpu, "paged_decode_bf16"), _addr(cpu, "silu_mul_bf16")
+        m.linear = linear_fn  # the kind 0 linears' kernel
         if amx is not None:
-            m.linear, m.prefill = _addr(amx, "amx_linear_bf16"), _addr(amx, "amx_prefill_attention_bf16")
+            m.prefill = _addr(amx, "amx_prefill_attention_bf16")
         if int4 is not None:
             m.int4 = _addr(int4, "int4_gemv_bf16")
         m.layers = ctypes.cast(self._arr, ctypes.c_void_p)
@@ -140,6 +142,7 @@ class FusedStack:
         from pagedllm.attention.cpu_kernels import get_lib
         from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
         from pagedllm.layers.layernorm import RMSNorm
+        from pagedllm.layers.packed_linear import backend_lib
         from pagedllm.layers.quantization import cpu_kernels as int4_kernels
         from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
         from pagedllm.utils.amx import amx_lib
@@ -150,7 +153,7 @@ class FusedStack:
         if not layers or any(type(layer) is not LlamaDecoderLayer for layer in layers):
             return None
         a0 = layers[0].self_attn
-        kinds = set()
+        kinds, backends = set(), set()
         for layer in layers:
             att, mlp = layer.self_attn, layer.mlp
             if type(att) is not LlamaAttention or type(mlp) is not LlamaMLP or att.q_norm is not None:
@@ -160,6 +163,7 @@ class FusedStack:
             if None in layer_kinds or (layer_kinds[2] == 0 and not lin[2].gated):
                 return None
             kinds.update(layer_kinds)
+            backends.update(m.backend for m, k in zip(lin, layer_kinds) if k == 0)
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if not all(type(n) is RMSNorm and n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous()
                        and n.eps == layers[0].input_layernorm.eps for n in norms):
@@ -173,14 +177,19 @@ class FusedStack:
                 or a0.head_dim % 2):
             return None
         cpu, lib = get_lib(), _LIB.get()
-        amx = amx_lib()  # the AMX linears, and the prefill attention of every kind of model
+        amx = amx_lib()  # the prefill attention of every kind of model (and the AMX linears)
         int4 = int4_kernels.get_lib() if 1 in kinds else None
-        if cpu is None or lib is None or (0 in kinds and amx is None) or (
+        if len(backends) > 1:  # one linear kernel per loop
+            return None
+        backend = backends.pop() if backends else None
+        lin_lib = None if backend is None else backend_lib(backend)
+        if cpu is None or lib is None or (0 in kinds and lin_lib is None) or (
                 1 in kinds and (int4 is None or not int4_kernels.int4_gemv_supported())):
             return None
+        linear_fn = None if lin_lib is None else _addr(lin_lib, f"{backend}_linear_bf16")
         prefill_ok = (os.environ.get("PAGEDLLM_AMX_ATTENTION", "1") != "0" and a0.head_dim % 32 == 0
                       and a0.head_dim <= 128 and amx is not None)
-        return cls(model, lib, cpu, amx, int4, prefill_ok)
+        return cls(model, lib, cpu, amx, int4, prefill_ok, linear_fn)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
         key = tuple(kv.data_ptr() for kv in kv_caches)
