@@ -1,16 +1,32 @@
 """The fused C layer loop (pagedllm/models/fused_stack.py) against the model's Python layer loop: the same kernels in
-the same order, so greedy tokens and their logprobs must be equal exactly, on decode-only and mixed steps."""
+the same order, so greedy tokens and their logprobs must be equal exactly, on decode-only and mixed steps; with the
+linears on the AMX kernel, and on the dpbf16 kernel with every AMX kernel off (as on a CPU without AMX)."""
 
 import pytest
 import torch
 
 from pagedllm import kernels
-from pagedllm.layers.packed_linear import linear_backend
 from pagedllm.layers.quantization import cpu_kernels
 from pagedllm.models.fused_stack import FusedStack
 
-# The bf16 fused loop needs a packed bf16 linear kernel at this level (AMX; or another LINEAR_BACKENDS entry).
-needs_packed_kernel = pytest.mark.skipif(linear_backend(64, 64) is None, reason="no packed bf16 linear kernel here")
+
+def _backend_at(level: str):
+    """The packed bf16 linear backend layers get at ``level`` (None: oneDNN, or the level isn't this CPU's)."""
+    import dataclasses
+
+    from pagedllm.layers.packed_linear import linear_backend
+
+    if level not in kernels.supported_levels():
+        return None
+    with kernels.use(dataclasses.replace(kernels.config(), level=level)):
+        found = linear_backend(64, 64)
+    return found[0].name if found else None
+
+
+# The bf16 fused loop runs on a packed bf16 linear kernel: AMX at level amx, dpbf16 at avx512_bf16 (as on Zen 4).
+_BACKENDS = [pytest.param("amx", "amx", marks=pytest.mark.skipif(_backend_at("amx") != "amx", reason="no AMX")),
+             pytest.param("dpbf16", "avx512_bf16", marks=pytest.mark.skipif(
+                 _backend_at("avx512_bf16") != "dpbf16", reason="no AVX512-BF16 for the dpbf16 kernel"))]
 
 
 def _tokens_and_logprobs(out) -> tuple:
@@ -18,13 +34,16 @@ def _tokens_and_logprobs(out) -> tuple:
     return c.token_ids, [{k: v.logprob for k, v in d.items()} for d in c.logprobs]
 
 
-@needs_packed_kernel
+@pytest.mark.parametrize("backend,level", _BACKENDS)
 @pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen2-bias"])
-def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatch):
+def test_fused_stack_equals_python_layer_loop(name, backend, level, tmp_path_factory, monkeypatch):
     """llama-tied-bias: biases everywhere, head_dim 16 (prefill steps take the Python loop, decode steps the fused
-    one); mistral-sliding: head_dim 32 and a 5-token window (prefill and mixed steps fused too); qwen2-bias: q/k/v
-    bias. A 16-token budget chunks the prompts, so steps mix prefill chunks with decodes."""
+    one); mistral-sliding: head_dim 32 and a 5-token window (prefill and mixed steps fused too on AMX; without AMX
+    only decode-only steps); qwen2-bias: q/k/v bias. A 16-token budget chunks the prompts, so steps mix prefill
+    chunks with decodes."""
     from test_models import _load_pair
+
+    from pagedllm.layers import packed_linear
 
     from pagedllm import LLM, SamplingParams
 
@@ -35,7 +54,7 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
     prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in (5, 23, 40)]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
-              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False)
+              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False, cpu_isa=level)
     calls = {"fused": 0, "prefill": 0}
     orig = FusedStack.forward
 
@@ -47,16 +66,21 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
         return out
 
     monkeypatch.setattr(FusedStack, "forward", counting)
+    # level avx512_bf16: no AMX kernel at all (linears, prefill and decode attention), as on AMD Zen 4
     results = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
         llm = LLM(folder, **kw)
+        model = llm.llm_engine.engine_core.runner.model
+        assert {m.backend for m in model.modules() if isinstance(m, packed_linear.PackedLinear)} == {backend}
         outs = llm.generate(prompts, sp, use_tqdm=False)
         results[fused] = [_tokens_and_logprobs(o) for o in outs]
         if fused == "1":
             assert calls["fused"] > 0
-            if name == "mistral-sliding":  # head_dim 32: the AMX prefill kernel runs, so prefill steps fuse too
+            if name == "mistral-sliding" and backend == "amx":  # head_dim 32: the AMX prefill kernel, fused too
                 assert calls["prefill"] > 0
+            if backend == "dpbf16":  # prefill attention in the fused loop is AMX only
+                assert calls["prefill"] == 0
             fused_calls = dict(calls)
     assert calls == fused_calls  # PAGEDLLM_FUSED_STACK=0: no fused call
     assert all(len(r[0]) == 8 for r in results["1"])

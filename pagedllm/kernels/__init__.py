@@ -45,14 +45,29 @@ def load(name: str, level: str) -> Optional[ctypes.CDLL]:
     return _loaded[key]
 
 
+def load_target(name: str, tag: str, march: list[str]) -> Optional[ctypes.CDLL]:
+    """Library ``name`` built with other target flags (e.g. ``["-march=x86-64"]``: a scalar build), bound; for tests
+    of the paths below every level. Cached per (name, tag)."""
+    key = (name, "target:" + tag)
+    if key not in _loaded:
+        with _lock:
+            _loaded[key] = _bind(name, tag, march)
+    return _loaded[key]
+
+
 def _load(name: str, level: str) -> Optional[ctypes.CDLL]:
     spec = LIBRARIES[name]
     if level not in spec.levels or not level_at_least(detect_level(), level):
         return None
+    return _bind(name, level, None)
+
+
+def _bind(name: str, level: str, march: Optional[list]) -> Optional[ctypes.CDLL]:
+    spec = LIBRARIES[name]
     from pagedllm.kernels.build import build
 
     try:
-        lib = ctypes.CDLL(build(spec, level))
+        lib = ctypes.CDLL(build(spec, level, march))
     except Exception as e:  # no compiler, or a build error: the torch paths are used
         logger.warning("CPU kernels %r (level %s) unavailable (%s); using the torch paths.", name, level, e)
         return None

@@ -52,6 +52,11 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "amx_linear_bf16": _LINEAR,
         "amx_prefill_attention_bf16": Fn((P, I64, P, P, P, I64, P, P, P, I32, P, I32, I32, I32, I32, F32, I32, P)),
     }, _FAST_MATH),
+    Library("dpbf16", ("dpbf16_linear.c",), ("amx", "avx512_bf16", "avx2"), {
+        "dpbf16_supported": Fn((), I32),
+        "dpbf16_pack": Fn((P, I64, I64, P)),
+        "dpbf16_linear_bf16": _LINEAR,
+    }, _FAST_MATH),
     Library("int4", ("int4_cpu.c",), ("amx", "avx512_bf16", "avx2"), {
         "int4_gemm": Fn((P, I64, I64, P, P, I64, I64, I64, P, I32)),
         "int4_expand": Fn((P, P, I64, I64, I64, P, I32)),

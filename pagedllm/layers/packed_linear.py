@@ -1,6 +1,6 @@
 """Linear layers with their weights pre-packed once at load for the CPU's matrix units (bfloat16).
 
-Two backends, chosen per layer when it is packed:
+Three backends, chosen per layer when it is packed:
 
 - **AMX** (``csrc/amx_linear.c``, on CPUs with AMX-TILE and AMX-BF16, when ``out_features`` and ``in_features`` are
   multiples of 32): our own tile kernel over a weight layout it streams sequentially. At decode batch sizes it reads
@@ -8,6 +8,10 @@ Two backends, chosen per layer when it is packed:
   a step, rows 16: 12.4 vs 21.8 ms; the tied LM head: 1.6 vs 4.5 ms); at prefill sizes it is on par with oneDNN on a
   quiet host (~2 TFLOP/s at 2,048 rows) and ahead of it when one core is slowed, as its work units are taken
   dynamically.
+- **dpbf16** (``kernels/csrc/dpbf16_linear.c``, without AMX: VDPBF16PS at level ``avx512_bf16``, e.g. AMD Zen 4;
+  AVX2 + FMA at level ``avx2``; same shape rule): our own kernel with the AMX kernel's ABI and output modes over a
+  sequentially streamed layout, batch invariant (a row's sums run in the same order whatever the number of rows).
+  At ``avx2`` it is used while ``batch_invariant`` is on (the default); with it off oneDNN runs there.
 - **oneDNN** otherwise: ``F.linear`` on a plain bf16 weight makes oneDNN reorder the weight into its blocked layout
   on every call, which at decode batch sizes costs as much as the matmul. Packing once
   (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's weight freezing uses) and calling
@@ -22,7 +26,7 @@ Only exact ``nn.Linear`` modules with bf16 weights on CPU are packed (quantized 
 own kernels), except those marked ``keep_weight = True`` because the model reads their ``.weight`` itself. The
 original weight is dropped (the packed copy replaces it), except tied LM heads, whose weight is also the embedding
 table: those get an extra packed copy. ``KernelConfig.pack_weights`` off (``PAGEDLLM_PACK_WEIGHTS=0``) keeps plain
-weights; ``amx_linear`` off (``PAGEDLLM_AMX_LINEAR=0``) skips the AMX backend.
+weights; ``amx_linear`` off (``PAGEDLLM_AMX_LINEAR=0``) skips the AMX backend (the dpbf16 kernel then runs).
 
 Logits are float32 on every path (``lm_head_logits``): a bf16 logit of magnitude 8-16 is resolved only to 1/16, so
 near-ties become exact ties and greedy answers change with the backend. The packed kernels return their float32
@@ -62,9 +66,14 @@ class LinearBackend:
     enabled: Callable[[kernels.KernelConfig], bool]
 
 
+def _by32(n: int, k: int) -> bool:
+    return n % 32 == 0 and k % 32 == 0
+
+
 LINEAR_BACKENDS: tuple[LinearBackend, ...] = (
-    LinearBackend("amx", "amx", "amx_pack", "amx_linear_bf16", lambda n, k: n % 32 == 0 and k % 32 == 0,
-                  lambda cfg: cfg.amx_linear),
+    LinearBackend("amx", "amx", "amx_pack", "amx_linear_bf16", _by32, lambda cfg: cfg.amx_linear),
+    LinearBackend("dpbf16", "dpbf16", "dpbf16_pack", "dpbf16_linear_bf16", _by32,
+                  lambda cfg: cfg.level in ("amx", "avx512_bf16") or cfg.batch_invariant),
 )
 
 

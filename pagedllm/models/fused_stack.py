@@ -6,8 +6,8 @@ the same kernels, in the same order, on the same data, through function pointers
 path's bit for bit (``tests/test_fused_stack.py``); only the per-call overhead goes.
 
 It runs where every layer is a fast path: bf16, one process (no tensor/pipeline parallelism), every linear either a
-``PackedLinear`` on a packed-kernel backend (``packed_linear.LINEAR_BACKENDS``; all on the same one, gate_up packed
-gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is (GGUF Q4_0/Q4_1, GPTQ/AWQ without act-order or bias;
+``PackedLinear`` on a packed-kernel backend (``packed_linear.LINEAR_BACKENDS``: AMX, or dpbf16 without AMX; all on
+the same one, gate_up packed gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is (GGUF Q4_0/Q4_1, GPTQ/AWQ without act-order or bias;
 with ``batch_invariant`` off, only steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens), no q/k norm (Qwen3), the C
 RMSNorm/RoPE/decode-attention kernels built, one attention metadata for all layers, and for steps with prefill
 tokens the AMX prefill attention kernel available (level ``amx``, head_dim % 32 == 0, <= 128; block_size % 16 == 0).

@@ -44,6 +44,13 @@ void amx_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
                                 uint16_t *out, int H, int KVH, int D, int BS, float scale, int window,
                                 uint16_t *vt);
 
+/* ---- dpbf16_linear.c: bf16 linears without AMX (VDPBF16PS at avx512_bf16, AVX2 + FMA at avx2), the ABI and modes of
+ * amx_linear_bf16 ---- */
+int dpbf16_supported(void); /* the path compiled in: 2 AVX512-BF16, 1 AVX2 + FMA, 0 scalar */
+void dpbf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *P);
+void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
+                        void *out, int mode);
+
 /* ---- int4_cpu.c: int4 / int8 weight-only matmuls ---- */
 void int4_gemm(const void *x, int64_t M, int64_t K, const uint8_t *packed, const void *sz, int64_t G,
                int64_t N_pad, int64_t n_out, void *out, int is_bf16);
