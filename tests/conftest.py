@@ -106,3 +106,14 @@ def require_native(lib) -> None:
         if not kernels.config().native:
             pytest.skip(f"no C kernels at ISA level {kernels.config().level!r}")
         pytest.fail("the CPU kernels failed to build (is gcc installed?)")
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_config():
+    """An engine started in a test makes its KernelConfig the process's (``kernels.set_config``); the next test
+    starts from the configuration before it."""
+    from pagedllm import kernels
+
+    prev = kernels.config()
+    yield
+    kernels.set_config(prev)
