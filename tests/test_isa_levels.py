@@ -225,3 +225,42 @@ def test_suite_at_lower_level(level, tmp_path):
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, tail
     assert re.search(r"\d+ passed", tail), tail
+
+
+# ------------------------------------------------------------------------------------------------ envs.py
+def test_every_environment_variable_is_listed_once_and_read_only_in_envs():
+    """Each PAGEDLLM_* name in the package is an entry of envs.ENV_VARS, and no module but envs.py reads one from
+    os.environ / os.getenv."""
+    from pagedllm import envs
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pagedllm")
+    used, readers = set(), []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            text = open(path).read()
+            used |= set(re.findall(r"\bPAGEDLLM_[A-Z0-9_]+", text))
+            if f != "envs.py" and re.search(r"os\.(environ\.get|getenv|environ\[)\(?\s*[\"']PAGEDLLM_", text):
+                readers.append(path)
+    used -= {"PAGEDLLM_BF16_H", "PAGEDLLM_SIMD_H", "PAGEDLLM_AMX_H", "PAGEDLLM_KERNELS_H"}  # C include guards
+    assert used <= set(envs.ENV_VARS), used - set(envs.ENV_VARS)
+    assert not readers
+    assert all(v.meaning for v in envs.ENV_VARS.values())
+
+
+def test_kernel_switches_resolve_once_into_the_frozen_config(monkeypatch):
+    from pagedllm.kernels import KernelConfig
+
+    monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", "0")
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "0")
+    monkeypatch.setenv("PAGEDLLM_HUGEPAGES", "1")
+    cfg = KernelConfig.from_env("none")
+    assert (cfg.level, cfg.amx_attention, cfg.batch_invariant, cfg.hugepages, cfg.fused_stack) == (
+        "none", False, False, True, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.level = "amx"
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "none")
+    assert KernelConfig.from_env().level == "none"
+    assert KernelConfig.from_env("avx2" if "avx2" in supported_levels() else "none").level != "amx"
