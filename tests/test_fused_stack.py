@@ -23,10 +23,11 @@ def _backend_at(level: str):
     return found[0].name if found else None
 
 
-# The bf16 fused loop runs on a packed bf16 linear kernel: AMX at level amx, dpbf16 at avx512_bf16 (as on Zen 4).
-_BACKENDS = [pytest.param("amx", "amx", marks=pytest.mark.skipif(_backend_at("amx") != "amx", reason="no AMX")),
-             pytest.param("dpbf16", "avx512_bf16", marks=pytest.mark.skipif(
-                 _backend_at("avx512_bf16") != "dpbf16", reason="no AVX512-BF16 for the dpbf16 kernel"))]
+# The bf16 fused loop runs on a packed bf16 linear kernel: AMX at level amx, dpbf16 at avx512_bf16 (as on Zen 4)
+# and at avx2 (its AVX2 build; batch invariant by default). Each level the CPU runs is tested (cpu_isa per engine).
+_BACKENDS = [pytest.param(b, lv, id=f"{b}-{lv}", marks=pytest.mark.skipif(
+    _backend_at(lv) != b, reason=f"no {b} kernel at level {lv} on this CPU"))
+    for b, lv in (("amx", "amx"), ("dpbf16", "avx512_bf16"), ("dpbf16", "avx2"))]
 
 
 def _tokens_and_logprobs(out) -> tuple:
