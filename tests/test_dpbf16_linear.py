@@ -1,4 +1,4 @@
-"""The bf16 linear kernel for CPUs without AMX (pagedllm/layers/csrc/dpbf16_linear.c), built at each ISA level this
+"""The bf16 linear kernel for CPUs without AMX (pagedllm/kernels/csrc/dpbf16_linear.c), built at each ISA level this
 CPU can run (AVX512-BF16, AVX2 + FMA, scalar C): every output mode against a float64 reference within the bound of
 float32 accumulation plus one bf16 rounding, and batch invariance (a row's result doesn't depend on how many rows share
 the call or on the thread count: torch.equal)."""
@@ -9,28 +9,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.config import cpu_flags
-from pagedllm.layers.dpbf16 import DpBf16Library
+from pagedllm import kernels
 from pagedllm.layers.packed_linear import _interleave_halves
 
-_FLAGS = cpu_flags()
-# (compiler target, the level it must build, CPU flags it needs to run)
-_BUILDS = {
-    "avx512_bf16": (["-march=x86-64-v4", "-mavx512bf16"], {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-    "avx2": (["-march=x86-64-v3"], {"avx2", "fma", "bmi2"}),
-    "scalar": (["-march=x86-64"], set()),
-}
+# The library at each ISA level (pagedllm.kernels), and a scalar build below every level (x86-64 baseline target).
+_SCALAR = (["-march=x86-64"], set())
 _LIBS: dict = {}
+_DP_LEVEL = {"avx512_bf16": 2, "avx2": 1, "scalar": 0}
 
 
 def _lib(level: str):
-    march, need = _BUILDS[level]
-    if not need <= _FLAGS:
+    if level != "scalar" and level not in kernels.supported_levels():
         pytest.skip(f"this CPU can't run the {level} build")
     if level not in _LIBS:
-        lib = DpBf16Library(march, name=f"test_dpbf16_{level}")
-        assert lib.level() == level  # the build picked the path its flags allow
-        _LIBS[level] = lib.get()
+        lib = kernels.load_target("dpbf16", "scalar", _SCALAR[0]) if level == "scalar" else kernels.load("dpbf16", level)
+        assert lib is not None and lib.dpbf16_supported() == _DP_LEVEL[level]  # the path its flags allow
+        _LIBS[level] = lib
     return _LIBS[level]
 
 
@@ -115,7 +109,7 @@ def test_gated_modes(level, inter, k, with_bias):
         # the epilogue's exp is a polynomial (relative error < 2e-7): at most one bf16 ulp from torch's silu
         ulp = 2.0 ** (torch.floor(torch.log2(unfused.double().abs().clamp_min(1e-30))) - 7)
         assert ((act.double() - unfused.double()).abs() <= ulp).all()
-        if level == "avx512_bf16" and cpu_kernels.get_lib() is not None and "avx512f" in _FLAGS:
+        if level == "avx512_bf16" and kernels.config().level in ("amx", "avx512_bf16") and cpu_kernels.get_lib():
             assert torch.equal(act, cpu_kernels.silu_and_mul(gu))  # the same SIMD silu as the element-wise kernel
 
 
@@ -165,16 +159,24 @@ def test_thread_count_invariant(level):
     assert torch.equal(one, many)
 
 
-def test_packed_linear_dpbf16_backend(monkeypatch):
+def test_packed_linear_dpbf16_backend():
     """PackedLinear with the AMX kernel switched off picks the dpbf16 backend on a CPU with AVX512-BF16 (or AVX2):
     forward / forward_f32 / forward_silu_mul as the kernel, equal to a float64 reference within the bound."""
     from pagedllm.layers import packed_linear
     from pagedllm.layers.packed_linear import PackedLinear
 
-    monkeypatch.setenv("PAGEDLLM_AMX_LINEAR", "0")
-    backend = packed_linear.dpbf16_backend_supported()
-    if not backend:
-        pytest.skip("no dpbf16 kernel for this CPU")
+    import dataclasses
+
+    cfg = dataclasses.replace(kernels.config(), amx_linear=False)
+    with kernels.use(cfg):
+        if packed_linear.linear_backend(384, 576) is None:
+            pytest.skip("no dpbf16 kernel for this CPU")
+        _packed_linear_case()
+
+
+def _packed_linear_case():
+    from pagedllm.layers.packed_linear import PackedLinear
+
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(384, 576, generator=gen).bfloat16()
     b = torch.randn(384, generator=gen).bfloat16()

@@ -5,13 +5,29 @@ linears on the AMX kernel, and on the dpbf16 kernel with every AMX kernel off (a
 import pytest
 import torch
 
-from pagedllm.layers.packed_linear import amx_linear_supported, dpbf16_backend_supported
+from pagedllm import kernels
+from pagedllm.layers.quantization import cpu_kernels
 from pagedllm.models.fused_stack import FusedStack
 
-_NEEDS_AMX = pytest.mark.skipif(not amx_linear_supported(), reason="the fused loop needs the AMX linear kernel")
-_BACKENDS = [pytest.param("amx", marks=_NEEDS_AMX),
-             pytest.param("dpbf16", marks=pytest.mark.skipif(not dpbf16_backend_supported(),
-                                                              reason="no AVX512-BF16 for the dpbf16 kernel"))]
+
+def _backend_at(level: str):
+    """The packed bf16 linear backend layers get at ``level`` (None: oneDNN, or the level isn't this CPU's)."""
+    import dataclasses
+
+    from pagedllm.layers.packed_linear import linear_backend
+
+    if level not in kernels.supported_levels():
+        return None
+    with kernels.use(dataclasses.replace(kernels.config(), level=level)):
+        found = linear_backend(64, 64)
+    return found[0].name if found else None
+
+
+# The bf16 fused loop runs on a packed bf16 linear kernel: AMX at level amx, dpbf16 at avx512_bf16 (as on Zen 4)
+# and at avx2 (its AVX2 build; batch invariant by default). Each level the CPU runs is tested (cpu_isa per engine).
+_BACKENDS = [pytest.param(b, lv, id=f"{b}-{lv}", marks=pytest.mark.skipif(
+    _backend_at(lv) != b, reason=f"no {b} kernel at level {lv} on this CPU"))
+    for b, lv in (("amx", "amx"), ("dpbf16", "avx512_bf16"), ("dpbf16", "avx2"))]
 
 
 def _tokens_and_logprobs(out) -> tuple:
@@ -19,9 +35,9 @@ def _tokens_and_logprobs(out) -> tuple:
     return c.token_ids, [{k: v.logprob for k, v in d.items()} for d in c.logprobs]
 
 
-@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("backend,level", _BACKENDS)
 @pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen2-bias"])
-def test_fused_stack_equals_python_layer_loop(name, backend, tmp_path_factory, monkeypatch):
+def test_fused_stack_equals_python_layer_loop(name, backend, level, tmp_path_factory, monkeypatch):
     """llama-tied-bias: biases everywhere, head_dim 16 (prefill steps take the Python loop, decode steps the fused
     one); mistral-sliding: head_dim 32 and a 5-token window (prefill and mixed steps fused too on AMX; without AMX
     only decode-only steps); qwen2-bias: q/k/v bias. A 16-token budget chunks the prompts, so steps mix prefill
@@ -39,7 +55,7 @@ def test_fused_stack_equals_python_layer_loop(name, backend, tmp_path_factory, m
     prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in (5, 23, 40)]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
-              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False)
+              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False, cpu_isa=level)
     calls = {"fused": 0, "prefill": 0}
     orig = FusedStack.forward
 
@@ -51,9 +67,7 @@ def test_fused_stack_equals_python_layer_loop(name, backend, tmp_path_factory, m
         return out
 
     monkeypatch.setattr(FusedStack, "forward", counting)
-    if backend == "dpbf16":  # no AMX kernel at all (linears, prefill and decode attention), as on AMD Zen 4
-        monkeypatch.setenv("PAGEDLLM_AMX_LINEAR", "0")
-        monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", "0")
+    # level avx512_bf16: no AMX kernel at all (linears, prefill and decode attention), as on AMD Zen 4
     results = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
@@ -74,12 +88,13 @@ def test_fused_stack_equals_python_layer_loop(name, backend, tmp_path_factory, m
     assert results["1"] == results["0"]
 
 
-@_NEEDS_AMX
 @pytest.mark.slow
+@pytest.mark.skipif(not cpu_kernels.int4_gemv_supported(), reason="no int4 GEMV (AVX512-VNNI/VBMI/BF16) here")
 def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
-    """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop):
-    steps of up to 8 tokens (decode, a short prompt's prefill) take the fused loop, larger prefill steps the Python one;
-    greedy tokens and logprobs equal."""
+    """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop).
+    Batch invariant (the default): the GEMV takes every step, so every step fuses (prefill too, on AMX); with
+    PAGEDLLM_BATCH_INVARIANT=0, steps of up to 8 tokens fuse and larger prefill steps take the Python loop (its
+    per-size int4 paths). Greedy tokens and logprobs equal fused vs not, in both modes."""
     from pagedllm import LLM, SamplingParams
 
     calls = []
@@ -87,17 +102,24 @@ def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
     monkeypatch.setattr(FusedStack, "forward", lambda self, *a: calls.append(orig(self, *a)) or calls[-1])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    results = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
-        llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
-        kinds = {m.kind for m in llm.llm_engine.engine_core.runner.model.quant_modules.values()}
-        assert "int4" in kinds
-        # both prompts in one prefill step (13 tokens: the Python loop), then one alone (6 tokens: fused prefill)
-        outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
-        results[fused] = [_tokens_and_logprobs(o) for o in outs]
-        if fused == "1":
-            assert any(c is not None for c in calls) and any(c is None for c in calls)
-            n_calls = len(calls)
-    assert len(calls) == n_calls
-    assert results["1"] == results["0"]
+    for invariant in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", invariant)
+        results = {}
+        for fused in ("1", "0"):
+            monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+            calls.clear()
+            llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+            kinds = {m.kind for m in llm.llm_engine.engine_core.runner.model.quant_modules.values()}
+            assert "int4" in kinds
+            # both prompts in one prefill step (13 tokens), then one alone (6 tokens)
+            outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+            results[fused] = [_tokens_and_logprobs(o) for o in outs]
+            if fused == "1":
+                assert any(c is not None for c in calls)
+                if invariant == "0":
+                    assert any(c is None for c in calls)  # the 13-token prefill step
+                elif kernels.lib("amx") is not None:
+                    assert all(c is not None for c in calls)
+            else:
+                assert not calls
+        assert results["1"] == results["0"], invariant

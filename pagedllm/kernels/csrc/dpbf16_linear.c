@@ -32,13 +32,14 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../../attention/csrc/bf16.h"
+#include "bf16.h"
+#include "pagedllm_kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define DP_LEVEL 2
 #define MR 6
 #include <immintrin.h>
-#include "../../attention/csrc/simd.h" /* silu16, round16_bf16, store16_bf16_bits: as cpu_ops.c's silu_mul */
+#include "simd.h" /* silu16, round16_bf16, store16_bf16_bits: as cpu_ops.c's silu_mul */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DP_LEVEL 1
 #define MR 4
