@@ -52,6 +52,7 @@
 #define UNIT_ROWS 96                    /* rows of one work unit: 96 x K bf16 stays in L2 with a weight block */
 #define UNIT_WEIGHT_BYTES (256 * 1024)  /* weights of one work unit (at most) when M > UNIT_ROWS, bytes */
 #define KC 128                          /* K pairs of one pass over the rows: 16 KB of a block's weights */
+#define PF_PAIRS 64                     /* weights prefetched this many K pairs ahead (8 KB of a 64-column block) */
 
 /* 2: AVX512-BF16 kernels, 1: AVX2 + FMA, 0: scalar C. */
 int dpbf16_supported(void) { return DP_LEVEL; }
@@ -90,15 +91,18 @@ static inline int64_t out_col(int64_t N, int64_t b, int v, int mode) {
 /* rows [0, mr) of x (row stride K) x block weights wb (nv vectors a pair) -> emitted into out rows. */
 static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
                                                                const int nv, const int mr, int64_t p0, int64_t p1,
-                                                               float *ab, int first, int last, const float *bias,
-                                                               void *out, int64_t ldo, int64_t N, int64_t b,
-                                                               int mode) {
+                                                               float *ab, int first, int last, int pf,
+                                                               const float *bias, void *out, int64_t ldo, int64_t N,
+                                                               int64_t b, int mode) {
     __m512 acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(ab + 64 * r + 16 * v);
     for (int64_t p = p0; p < p1; p++) {
         __m512i w[4];
         for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
+        if (pf) /* the first pass over these weights: fetch ahead (past the block's end: the next block's) */
+            for (int v = 0; v < nv; v++)
+                _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T0);
         for (int r = 0; r < mr; r++) {
             int32_t xp;
             memcpy(&xp, x + r * K + 2 * p, 4);
@@ -231,9 +235,10 @@ static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_
  * for MR rows (8 accumulators). Either way each element's sum runs over K in the same order. */
 static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
                                                                const int nv, const int mr, int64_t p0, int64_t p1,
-                                                               float *ab, int first, int last, const float *bias,
-                                                               void *out, int64_t ldo, int64_t N, int64_t b,
-                                                               int mode) {
+                                                               float *ab, int first, int last, int pf,
+                                                               const float *bias, void *out, int64_t ldo, int64_t N,
+                                                               int64_t b, int mode) {
+    (void)pf;
     if (mr == 1) {
         kernel_rows_part(x, K, wb, nv, 0, nv, 1, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
     } else {
@@ -258,8 +263,9 @@ static __attribute__((noinline)) void row_sums(const uint16_t *x, int64_t p0, in
     }
 }
 static void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb, const int nv, const int mr, int64_t p0,
-                        int64_t p1, float *ab, int first, int last, const float *bias, void *out, int64_t ldo,
+                        int64_t p1, float *ab, int first, int last, int pf, const float *bias, void *out, int64_t ldo,
                         int64_t N, int64_t b, int mode) {
+    (void)pf;
     const float *bb = bias ? bias + 64 * b : NULL;
     for (int r = 0; r < mr; r++) {
         float *acc = ab + 64 * r;
@@ -307,7 +313,7 @@ static void block_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t K, con
         const uint16_t *xm = x + m * K;
         void *om = (char *)out + m * ldo * esz;
         float *am = ab + (m - m0) * 64;
-#define KR(NV, R) kernel_rows(xm, K, wb, NV, R, p0, p1, am, first, last, bias, om, ldo, N, b, mode)
+#define KR(NV, R) kernel_rows(xm, K, wb, NV, R, p0, p1, am, first, last, m == m0, bias, om, ldo, N, b, mode)
 #define KNV(R) \
     if (nv == 4) KR(4, R); else KR(2, R);
         switch (mr) {
