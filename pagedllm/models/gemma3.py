@@ -199,7 +199,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        logits = lm_head_logits(self, hidden_states).float()
+        logits = lm_head_logits(self, hidden_states)
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

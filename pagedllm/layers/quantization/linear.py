@@ -130,7 +130,16 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y
 
-    logits = forward  # as a (untied) lm_head
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # as an (untied) lm_head: [T, K] -> [T, N] float32
+        if self.kind == "int4":
+            if self.perm is not None:
+                x = x.index_select(-1, self.perm)
+            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out, torch.float32)
+        elif self.kind == "int8":
+            y = int8_matmul(x.float(), self.qweight, self.scale.float())
+        else:
+            y = F.linear(x.float(), self.weight.float())
+        return y if self.bias is None else y + self.bias.float()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"
@@ -185,9 +194,11 @@ class QuantEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         return (self.qweight[input_ids].float() * self.scale[input_ids, None]).to(self.dtype)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] (float32 when int8)
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] float32
         if self.kind == "dense":
-            return F.linear(x, self.weight)
+            from pagedllm.layers.packed_linear import float32_logits
+
+            return float32_logits(self, x, self.weight)
         return int8_logits(x, self.qweight, self.scale, self.unit_scale)
 
     def dequantized_weight(self) -> torch.Tensor:
