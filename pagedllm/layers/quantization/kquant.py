@@ -43,9 +43,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kq_dequant_rows.restype = i32
 
 
-def kquant_library(march: str = "native") -> CLibrary:
+def kquant_library(march: str = "native", extra_flags: Sequence[str] = ()) -> CLibrary:
     """The kernels built for ``-march=<march>`` (tests build x86-64 / x86-64-v3 too: every ISA path)."""
-    return CLibrary(f"kquant_cpu_{march.replace('-', '_')}", [_SRC], [*KQUANT_FLAGS, f"-march={march}"], _declare)
+    name = "_".join([f"kquant_cpu_{march}", *(f.lstrip("-") for f in extra_flags)]).replace("-", "_")
+    return CLibrary(name, [_SRC], [*KQUANT_FLAGS, f"-march={march}", *extra_flags], _declare)
 
 
 _LIB = kquant_library()
