@@ -250,7 +250,11 @@ static inline __attribute__((always_inline)) kq_codes kq_group_codes(const int T
             _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
         uint32_t qh;
         memcpy(&qh, blk + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        r.c = _mm256_or_si256(nib, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
+#else
         r.c = _mm256_or_si256(nib, _mm256_and_si256(kq_bits_to_bytes(qh), _mm256_set1_epi8(16)));
+#endif
     } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
         const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (T == KQ_Q4_K ? 16 : 48) + 32 * (j / 2)));
         r.c = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4) : _mm256_and_si256(qs, m4);
