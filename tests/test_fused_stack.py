@@ -4,10 +4,13 @@ the same order, so greedy tokens and their logprobs must be equal exactly, on de
 import pytest
 import torch
 
-from pagedllm.layers.packed_linear import amx_linear_supported
+from pagedllm import kernels
+from pagedllm.layers.packed_linear import linear_backend
+from pagedllm.layers.quantization import cpu_kernels
 from pagedllm.models.fused_stack import FusedStack
 
-pytestmark = pytest.mark.skipif(not amx_linear_supported(), reason="the fused loop needs the AMX linear kernel")
+# The bf16 fused loop needs a packed bf16 linear kernel at this level (AMX; or another LINEAR_BACKENDS entry).
+needs_packed_kernel = pytest.mark.skipif(linear_backend(64, 64) is None, reason="no packed bf16 linear kernel here")
 
 
 def _tokens_and_logprobs(out) -> tuple:
@@ -15,6 +18,7 @@ def _tokens_and_logprobs(out) -> tuple:
     return c.token_ids, [{k: v.logprob for k, v in d.items()} for d in c.logprobs]
 
 
+@needs_packed_kernel
 @pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen2-bias"])
 def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatch):
     """llama-tied-bias: biases everywhere, head_dim 16 (prefill steps take the Python loop, decode steps the fused
@@ -60,10 +64,12 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not cpu_kernels.int4_gemv_supported(), reason="no int4 GEMV (AVX512-VNNI/VBMI/BF16) here")
 def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
-    """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop):
-    steps of up to 8 tokens (decode, a short prompt's prefill) take the fused loop, larger prefill steps the Python one;
-    greedy tokens and logprobs equal."""
+    """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop).
+    Batch invariant (the default): the GEMV takes every step, so every step fuses (prefill too, on AMX); with
+    PAGEDLLM_BATCH_INVARIANT=0, steps of up to 8 tokens fuse and larger prefill steps take the Python loop (its
+    per-size int4 paths). Greedy tokens and logprobs equal fused vs not, in both modes."""
     from pagedllm import LLM, SamplingParams
 
     calls = []
@@ -71,17 +77,24 @@ def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
     monkeypatch.setattr(FusedStack, "forward", lambda self, *a: calls.append(orig(self, *a)) or calls[-1])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    results = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
-        llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
-        kinds = {m.kind for m in llm.llm_engine.engine_core.runner.model.quant_modules.values()}
-        assert "int4" in kinds
-        # both prompts in one prefill step (13 tokens: the Python loop), then one alone (6 tokens: fused prefill)
-        outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
-        results[fused] = [_tokens_and_logprobs(o) for o in outs]
-        if fused == "1":
-            assert any(c is not None for c in calls) and any(c is None for c in calls)
-            n_calls = len(calls)
-    assert len(calls) == n_calls
-    assert results["1"] == results["0"]
+    for invariant in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", invariant)
+        results = {}
+        for fused in ("1", "0"):
+            monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+            calls.clear()
+            llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+            kinds = {m.kind for m in llm.llm_engine.engine_core.runner.model.quant_modules.values()}
+            assert "int4" in kinds
+            # both prompts in one prefill step (13 tokens), then one alone (6 tokens)
+            outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+            results[fused] = [_tokens_and_logprobs(o) for o in outs]
+            if fused == "1":
+                assert any(c is not None for c in calls)
+                if invariant == "0":
+                    assert any(c is None for c in calls)  # the 13-token prefill step
+                elif kernels.lib("amx") is not None:
+                    assert all(c is not None for c in calls)
+            else:
+                assert not calls
+        assert results["1"] == results["0"], invariant

@@ -19,6 +19,7 @@ output are rounded to bf16).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -31,11 +32,13 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from pagedllm import kernels
 from pagedllm.config import EngineArgs
 from pagedllm.layers.quantization import QuantConfig, QuantLinear, resolve_quant_config
 from pagedllm.layers.quantization.awq import AWQ_ORDER
 from pagedllm.layers.quantization.gguf import GGUFWeight
-from pagedllm.layers.quantization.kernels import DENSE_FALLBACK_MIN_TOKENS, INT4_GEMM_MIN_TOKENS, INT8_GEMM_MIN_TOKENS
+from pagedllm.layers.quantization.kernels import (DENSE_FALLBACK_MIN_TOKENS, INT4_GEMM_MIN_TOKENS, INT8_GEMM_MIN_TOKENS,
+                                                  Int8Rows)
 from pagedllm.model_loader import load_model
 from test_loader import VOCAB, _greedy, _model_config, _randomize_norms, _tiny_llama_cfg, _write_gguf
 
@@ -44,17 +47,23 @@ BF16_REL = 0.01
 
 
 def _check(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
-    """Forward on each path (aten ops, C batched kernels, expand + dense) vs ``x @ ref_w.T`` (float32)."""
+    """Forward on each path vs ``x @ ref_w.T`` (float32): batch invariant (one kernel for every row count), and with
+    that off the per-size paths (aten ops, C batched kernels, expand + dense); the float32 logits too."""
     torch.manual_seed(1)
-    for t in (1, INT4_GEMM_MIN_TOKENS - 1, INT4_GEMM_MIN_TOKENS + 7, INT8_GEMM_MIN_TOKENS + 5,
-              DENSE_FALLBACK_MIN_TOKENS + 3):
-        x = torch.randn(t, k, dtype=layer.dtype)
-        got = layer(x).float()
-        ref = x.float() @ ref_w.t()
-        if layer.dtype == torch.float32:
-            torch.testing.assert_close(got, ref, **F32_TOL)
-        else:
-            assert (got - ref).norm() / ref.norm() < BF16_REL
+    for invariant in (True, False):
+        with kernels.use(dataclasses.replace(kernels.config(), batch_invariant=invariant)):
+            for t in (1, INT4_GEMM_MIN_TOKENS - 1, INT4_GEMM_MIN_TOKENS + 7, INT8_GEMM_MIN_TOKENS + 5,
+                      DENSE_FALLBACK_MIN_TOKENS + 3):
+                x = torch.randn(t, k, dtype=layer.dtype)
+                got = layer(x).float()
+                ref = x.float() @ ref_w.t()
+                if layer.dtype == torch.float32:
+                    torch.testing.assert_close(got, ref, **F32_TOL)
+                else:
+                    assert (got - ref).norm() / ref.norm() < BF16_REL
+                logits = layer.logits(x)
+                assert logits.dtype == torch.float32
+                assert (logits - ref).norm() / ref.norm() < (1e-5 if layer.dtype == torch.float32 else BF16_REL)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -171,30 +180,39 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
         assert got.shape == (m, n)
         assert ((got - ref).abs() <= ref.abs() * 2.0**-8 + slack + 1e-30).all(), m
     assert calls == [1, 2, 3, 5, K.INT4_GEMV_MAX_TOKENS]
-    x = torch.randn(K.INT4_GEMV_MAX_TOKENS + 1, k).bfloat16()  # more rows: the C gemm, not this kernel
+    x = torch.randn(K.INT4_GEMV_MAX_TOKENS + 1, k).bfloat16()  # more rows: still this kernel (batch invariant) ...
     K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], kg, n)
-    assert len(calls) == 5
+    assert len(calls) == 6
+    with kernels.use(dataclasses.replace(kernels.config(), batch_invariant=False)):  # ... else the C gemm
+        K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], kg, n)
+    assert len(calls) == 6
 
 
-def test_int4_library_loads_without_vnni(tmp_path):
-    """On a CPU without AVX512-VNNI the VNNI kernels are not compiled in: the library still declares and serves the
-    other kernels, and reports the decode kernel as unsupported."""
-    import ctypes
-    import shutil
-    import subprocess
-
+def test_int4_library_without_vnni_serves_the_other_kernels():
+    """The library built for level avx2 (x86-64-v3: no AVX-512, so no VNNI kernels compiled in) reports the decode
+    kernel as unsupported, leaves it unbound, and its int4 gemm and scalar int8 logits equal the AVX-512 build's
+    (the same float32 sums in the same order per output)."""
+    if "avx2" not in kernels.supported_levels():
+        pytest.skip("CPU below x86-64-v3")
+    lib2 = kernels.load("int4", "avx2")
+    assert lib2 is not None and lib2.int4_gemv_bf16_supported() == 0
+    assert not hasattr(lib2, "int4_gemv_bf16") and not hasattr(lib2, "int8_logits_vnni")
     from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
 
-    if shutil.which("gcc") is None:
-        pytest.skip("no C compiler")
-    so = str(tmp_path / "int4_novnni.so")
-    subprocess.run(["gcc", "-O1", "-march=native", "-mno-avx512vnni", "-fopenmp", "-shared", "-fPIC",
-                    cpu_kernels._SRC, "-o", so, "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(so)
-    cpu_kernels._declare(lib)
-    assert lib.int4_gemv_bf16_supported() == 0
-    assert not hasattr(lib, "int4_gemv_bf16") or lib.int4_gemv_bf16.argtypes is None
-    assert lib.int4_gemm.argtypes is not None
+    torch.manual_seed(0)
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(100, 256), 32), torch.bfloat16)
+    x = torch.randn(5, 256).bfloat16()
+    w = K.PackedInt4.expand(pk["packed"], pk["scales_and_zeros"], 32, torch.float32)[:100].double()
+    with kernels.use(dataclasses.replace(kernels.config(), level="avx2")):
+        got = cpu_kernels.int4_gemm(x, pk["packed"], pk["scales_and_zeros"], 32, 100)
+        q8 = Int8Rows.quantize(torch.randn(70, 256))
+        logits = cpu_kernels.get_lib().int8_logits  # the scalar build of the AVX-512 kernel
+        out = torch.empty(5, 70)
+        logits(x.data_ptr(), 5, 256, q8.q.data_ptr(), q8.scale.data_ptr(), 70, out.data_ptr(), 1)
+    torch.testing.assert_close(got.double(), x.double() @ w.t(), atol=2e-2, rtol=1e-2)
+    ref = (x.double() @ q8.q.double().t()) * q8.scale.double()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -205,10 +205,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        if self.quant_modules and not isinstance(self.lm_head, (nn.Linear, nn.Embedding)):
-            logits = self.lm_head.logits(hidden_states).float()
-        else:
-            logits = lm_head_logits(self, hidden_states).float()
+        logits = lm_head_logits(self, hidden_states)  # float32 (a quantized head's own logits when quantized)
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -1,4 +1,4 @@
-"""GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights executed as stored (``csrc/kquant_cpu.c``).
+"""GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights executed as stored (``kernels/csrc/kquant_cpu.c``).
 
 A ``KQuantWeight`` is the file's own bytes (``data [N, row_bytes]`` uint8, ggml blocks, usually a view of the
 memory-mapped GGUF): no requantization and no repack, so resident weight memory is the file's tensor bytes and
@@ -16,45 +16,21 @@ AVX2, scalar) the same bits.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from pagedllm.utils.c_build import CLibrary
+from pagedllm import kernels
 
 KQUANT_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K})
 
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "kquant_cpu.c")
-# -ffp-contract=off: the scalar path's float operations stay as written (it mirrors the vector lanes).
-KQUANT_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.kq_isa.argtypes, lib.kq_isa.restype = [], i32
-    lib.kq_quantize_act.argtypes = [ptr, i64, i64, i32, ptr, ptr, ptr, ptr, ptr]
-    lib.kq_quantize_act.restype = None
-    lib.kq_matmul.argtypes = [i32, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32]
-    lib.kq_matmul.restype = i32
-    lib.kq_dequant_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
-    lib.kq_dequant_rows.restype = i32
-
-
-def kquant_library(march: str = "native", extra_flags: Sequence[str] = ()) -> CLibrary:
-    """The kernels built for ``-march=<march>`` (tests build x86-64 / x86-64-v3 too: every ISA path)."""
-    name = "_".join([f"kquant_cpu_{march}", *(f.lstrip("-") for f in extra_flags)]).replace("-", "_")
-    return CLibrary(name, [_SRC], [*KQUANT_FLAGS, f"-march={march}", *extra_flags], _declare)
-
-
-_LIB = kquant_library()
-
 
 def get_lib() -> Optional[ctypes.CDLL]:
-    """The native build (on first use), or None: ``PAGEDLLM_CPU_KERNELS=0`` or no compiler."""
-    return _LIB.get()
+    """The ``kquant`` library (``kernels/csrc/kquant_cpu.c``) for the active ISA level, or None: level ``none``,
+    ``PAGEDLLM_CPU_KERNELS=0`` or no compiler (then GGUF files load with the requantizations of ``gguf.py``)."""
+    return kernels.lib("kquant")
 
 
 @dataclass

@@ -144,12 +144,18 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """As an (untied) lm_head: ``[N, K] -> [N, vocab]``, float32 for the kept-as-stored kind."""
-        if self.kind != "kquant":
-            return self.forward(x)
-        y = kquant_linear(x, self._kq, torch.float32)
-        return y if self.bias is None else y + self.bias
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # as an (untied) lm_head: [T, K] -> [T, N] float32
+        if self.kind == "kquant":
+            y = kquant_linear(x, self._kq, torch.float32)
+        elif self.kind == "int4":
+            if self.perm is not None:
+                x = x.index_select(-1, self.perm)
+            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out, torch.float32)
+        elif self.kind == "int8":
+            y = int8_matmul(x.float(), self.qweight, self.scale.float())
+        else:
+            y = F.linear(x.float(), self.weight.float())
+        return y if self.bias is None else y + self.bias.float()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"
@@ -212,9 +218,11 @@ class QuantEmbedding(nn.Module):
             return dequantize_rows(self._kq, input_ids, self.dtype).view(*input_ids.shape, self.embedding_dim)
         return (self.qweight[input_ids].float() * self.scale[input_ids, None]).to(self.dtype)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] (float32 when kquant / int8)
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] float32
         if self.kind == "dense":
-            return F.linear(x, self.weight)
+            from pagedllm.layers.packed_linear import float32_logits
+
+            return float32_logits(self, x, self.weight)
         if self.kind == "kquant":
             return kquant_linear(x, [self._kq], torch.float32)
         return int8_logits(x, self.qweight, self.scale, self.unit_scale)

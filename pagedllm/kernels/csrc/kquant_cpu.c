@@ -28,6 +28,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "pagedllm_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
