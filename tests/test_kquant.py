@@ -195,18 +195,19 @@ def _load(path: str, quantization: str):
 
 
 def _weight_bytes(model) -> tuple[int, int]:
-    """(bytes of every parameter and buffer, bytes of the quantized modules' tensors), each tensor counted once."""
+    """(bytes of the model's weights: every parameter and the quantized modules' tensors, bytes of the latter),
+    each tensor counted once. Other buffers (rotary cos/sin tables sized by the context length) are not weights."""
     from pagedllm.layers.quantization import QuantEmbedding, QuantLinear
 
-    seen, total, quant = set(), 0, 0
-    qids = {t.data_ptr() for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
-            for t in m.buffers(recurse=False)}
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-            quant += t.numel() * t.element_size() if t.data_ptr() in qids else 0
-    return total, quant
+    quant = {t.data_ptr(): t.numel() * t.element_size() for m in model.modules()
+             if isinstance(m, (QuantLinear, QuantEmbedding)) for t in m.buffers(recurse=False)}
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum({**params, **quant}.values()), sum(quant.values())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 PROMPTS = ["The capital of France is", "def quicksort(arr):\n", "Water boils at a temperature of"]
@@ -225,14 +226,15 @@ def test_real_model_greedy_equals_dequantized_float32_and_memory(path_fn):
     load_s = time.perf_counter() - t0
     qm = quant.llm_engine.engine_core.runner.model
     assert {m.kind for m in qm.quant_modules.values()} == {"kquant"}
-    # memory: the quantized tensors are the file's bytes, nothing added; the whole model within 1.05x the file's
-    # tensor bytes (the rest: float32 norms / biases, which the file stores too, and the rotary tables)
+    # memory: the quantized tensors are the file's bytes, nothing added; all weights within 1.05x the file's tensor
+    # bytes (the rest: float32 norms / biases, which the file stores too)
     header = read_gguf_header(path)
     quant_file = sum(t.nbytes for t in header.tensors.values() if t.ggml_type in KQUANT_TYPES)
     all_file = sum(t.nbytes for t in header.tensors.values())
     total, in_quant = _weight_bytes(qm)
     print(f"{path.rsplit('/', 1)[-1]}: load {load_s:.1f} s; quantized tensors {in_quant / 1e6:.1f} MB "
-          f"(file {quant_file / 1e6:.1f} MB), all weights {total / 1e6:.1f} MB (file tensors {all_file / 1e6:.1f} MB)")
+          f"(file {quant_file / 1e6:.1f} MB), all weights {total / 1e6:.1f} MB (file tensors {all_file / 1e6:.1f} MB), "
+          f"process RSS {_rss_bytes() / 1e6:.0f} MB (file size {os.path.getsize(path) / 1e6:.0f} MB)")
     assert in_quant == quant_file
     assert total <= 1.05 * all_file
 
