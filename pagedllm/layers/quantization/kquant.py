@@ -2,15 +2,21 @@
 
 A ``KQuantWeight`` is the file's own bytes (``data [N, row_bytes]`` uint8, ggml blocks, usually a view of the
 memory-mapped GGUF): no requantization and no repack, so resident weight memory is the file's tensor bytes and
-loading costs nothing. The kernel decodes the blocks in registers (a few instructions per 32 weights, hidden under
-the memory-bound decode step) and multiplies them with activations quantized per 32 inputs to 15 bits
-(``quantize_activations``): sums of u8 x s8 products exact in int32, the block scales applied in float32.
+loading copies nothing. (A repack was not needed for exactness or SIMD: ggml's layouts already put 32 consecutive
+codes of a group in one 32-byte load, the kernel decodes them in registers with a few instructions per 32 weights,
+and Q4_K's 6-bit scales cost ~1 instruction per group to unpack.) The activations are quantized per 32 inputs to 15
+bits (``quantize_activations``); the u8 x s8 products are summed exactly in int32 and the block scales applied in
+float32.
 
 Error: per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15, far below a bf16 rounding),
 so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 accumulation; ``tests/test_kquant.py`` checks it
 against ``gguf.quants.dequantize`` and a float64 matmul. Every M runs the same per-row arithmetic (batch
-invariance: a row's result does not depend on the other rows of the call), on every ISA (AVX512-VNNI, AVX-VNNI,
+invariance: a row's result does not depend on the other rows of the call), and every ISA (AVX512-VNNI, AVX-VNNI,
 AVX2, scalar) the same bits.
+
+Speed (one row per weight row pass, up to 4 activation rows sharing each decoded group): see benchmarks in the
+issue-20 report; prefill is the same integer path (no bf16 GEMM on dequantized tiles), which keeps batch invariance
+but is slower than a dense AMX / AVX512-BF16 GEMM for long prompts.
 """
 
 from __future__ import annotations
