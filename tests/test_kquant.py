@@ -260,3 +260,35 @@ def test_real_model_greedy_equals_dequantized_float32_and_memory(path_fn):
 
 def test_library_is_built():
     assert get_lib() is not None
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_embedding_and_heads_kept_as_stored(qtype, dtype):
+    """A GGUF embedding table (and tied head) and an untied head stay as stored: the lookup returns gguf's rows
+    (rounded once to the model dtype), both heads give float32 logits within the kquant bound."""
+    from pagedllm.layers.quantization import QuantConfig, QuantEmbedding, QuantLinear
+    from pagedllm.layers.quantization.gguf import GGUFWeight
+
+    n, k = 300, 256
+    raw = _blocks(qtype, n, k, seed=4)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+    emb = QuantEmbedding(n, k, dtype, QuantConfig("gguf"))
+    emb.load_shard(0, "weight", GGUFWeight(qtype, (n, k), torch.from_numpy(raw)))
+    emb.process_weights_after_loading()
+    head = QuantLinear(k, n, True, dtype, QuantConfig("gguf"))
+    head.load_shard(0, "weight", GGUFWeight(qtype, (n, k), torch.from_numpy(raw)))
+    head.process_weights_after_loading()
+    head.bias.data.normal_()
+    assert emb.kind == head.kind == "kquant"
+    assert emb.kq_data.data_ptr() == emb._kq.data.data_ptr()  # the given bytes, not a copy
+    ids = torch.tensor([[3, 299], [0, 3]])
+    got = emb(ids)
+    assert got.shape == (2, 2, k) and got.dtype == dtype and torch.equal(got, ref[ids].to(dtype))
+    x = torch.randn(5, k, dtype=dtype)
+    for logits, bias in ((emb.logits(x), 0), (head.logits(x), head.bias.double())):
+        assert logits.dtype == torch.float32 and logits.shape == (5, n)
+        exact = x.double() @ ref.double().T + bias
+        xs = x.double().abs().view(5, -1, 32).amax(-1).repeat_interleave(32, 1) / 16256
+        bound = 0.504 * xs @ ref.double().abs().T + 2.0**-18 * (x.double().abs() @ ref.double().abs().T) + 1e-6
+        assert ((logits.double() - exact).abs() <= bound).all()
