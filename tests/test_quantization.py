@@ -85,19 +85,50 @@ def _gguf_weight(qtype, n: int, k: int, seed: int = 0) -> GGUFWeight:
     return GGUFWeight(qtype, (n, k), torch.from_numpy(blocks.copy()))
 
 
+def _no_kquant_kernels(monkeypatch) -> None:
+    """As without a C compiler (or ``PAGEDLLM_CPU_KERNELS=0``): GGUF types fall back to the requantizations."""
+    from pagedllm.layers.quantization import kquant
+
+    monkeypatch.setattr(kquant, "get_lib", lambda: None)
+
+
+def _check_kquant(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
+    """Forward at several batch sizes vs ``x @ ref_w.T`` within the kquant bound (tests/test_kquant.py derives it:
+    15-bit activations per block of 32, then float32 sums; plus one rounding of a bf16 output)."""
+    torch.manual_seed(1)
+    for t in (1, 3, 9, 37):
+        x = torch.randn(t, k, dtype=layer.dtype)
+        got = layer(x).double()
+        xd, wd = x.double(), ref_w.double()
+        ref = xd @ wd.t()
+        xs = xd.abs().view(t, -1, 32).amax(-1).repeat_interleave(32, 1) / 16256
+        bound = 0.504 * xs @ wd.abs().t() + 2.0**-18 * (xd.abs() @ wd.abs().t())
+        if layer.dtype == torch.bfloat16:
+            bound += ref.abs() * 2.0**-8
+        assert ((got - ref).abs() <= bound).all(), t
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qtype,n,k,kind", [
-    (Q.Q4_0, 64, 96, "int4"), (Q.Q4_1, 37, 160, "int4"), (Q.Q4_1, 192, 576, "int4"),
-    (Q.Q8_0, 100, 96, "int8"), (Q.Q5_0, 48, 64, "int8"), (Q.Q4_K, 40, 256, "int4"), (Q.Q6_K, 16, 256, "int8"),
+@pytest.mark.parametrize("kernels", [True, False], ids=["kquant", "no_kquant_kernels"])
+@pytest.mark.parametrize("qtype,n,k,kind,fallback", [
+    (Q.Q4_0, 64, 96, "int4", "int4"), (Q.Q4_1, 37, 160, "int4", "int4"), (Q.Q4_1, 192, 576, "int4", "int4"),
+    (Q.Q8_0, 100, 96, "kquant", "int8"), (Q.Q5_0, 48, 64, "kquant", "int8"), (Q.Q4_K, 40, 256, "kquant", "int4"),
+    (Q.Q6_K, 16, 256, "kquant", "int8"),
 ])
-def test_gguf_linear_equals_dequantized(qtype, n, k, kind, dtype):
+def test_gguf_linear_equals_dequantized(qtype, n, k, kind, fallback, kernels, dtype, monkeypatch):
+    if not kernels:
+        _no_kquant_kernels(monkeypatch)
+        kind = fallback
     w = _gguf_weight(qtype, n, k)
     layer = QuantLinear(k, n, False, dtype, QuantConfig("gguf"))
     layer.load_shard(0, "weight", w)
     layer.process_weights_after_loading()
     assert layer.kind == kind
     gguf_ref = torch.from_numpy(dequantize(w.data.numpy(), qtype)).reshape(n, k).float()
-    if qtype in (Q.Q4_0, Q.Q4_1):  # exact layouts: the layer holds the GGUF values (scale/zero in the act dtype)
+    if kind == "kquant":  # kept as stored: exactly the file's values
+        assert torch.equal(layer.dequantized_weight(), gguf_ref)
+        _check_kquant(layer, gguf_ref, k)
+    elif qtype in (Q.Q4_0, Q.Q4_1):  # exact layouts: the layer holds the GGUF values (scale/zero in the act dtype)
         if dtype == torch.float32:
             torch.testing.assert_close(layer.dequantized_weight(), gguf_ref, atol=1e-6, rtol=1e-6)
         _check(layer, gguf_ref, k)
@@ -210,11 +241,14 @@ def test_int4_library_without_vnni_serves_the_other_kernels():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [96, 128])  # 128: the integer-dot decode kernel where the CPU has AVX512-VNNI
-def test_int8_embedding_logits_equal_dequantized(dtype, k):
-    """The tied int8 LM head: float32 logits on the decode kernels (<= INT8_LOGITS_MAX_TOKENS rows) and on the
-    batched path, vs x @ dequant(W).T in float64; the lookup returns the dequantized rows."""
+def test_int8_embedding_logits_equal_dequantized(dtype, k, monkeypatch):
+    """The tied int8 LM head (a Q8_0 table without the kquant kernels): float32 logits on the decode kernels
+    (<= INT8_LOGITS_MAX_TOKENS rows) and on the batched path, vs x @ dequant(W).T in float64; the lookup returns
+    the dequantized rows."""
     from pagedllm.layers.quantization import QuantEmbedding
     from pagedllm.layers.quantization.kernels import INT8_LOGITS_MAX_TOKENS
+
+    _no_kquant_kernels(monkeypatch)
 
     n = 1000
     emb = QuantEmbedding(n, k, dtype, QuantConfig("gguf"))
@@ -493,8 +527,9 @@ def test_tiny_llama_gguf_requantized_types_greedy_equals_their_dequantized_weigh
     _write_gguf(path, "llama", cfg, {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
     quant = _load(path, None)
     kinds = {n.rsplit(".", 1)[-1]: m.kind for n, m in quant.quant_modules.items()}
-    assert kinds == {"embed_tokens": "int8", "qkv_proj": "int8", "o_proj": "int8", "gate_up_proj": "int8",
-                     "down_proj": "int4"}, kinds  # q/k Q4_1 next to v Q5_0: the fused layer goes int8
+    # Q8_0 kept as stored; q/k Q4_1 next to v Q5_0: the fused layer goes int8; Q5_1 has no kernel
+    assert kinds == {"embed_tokens": "kquant", "qkv_proj": "int8", "o_proj": "int8", "gate_up_proj": "kquant",
+                     "down_proj": "int4"}, kinds
     _assert_same_greedy(quant, _dense_twin(quant, _load(path, "none")), PROMPTS)
 
 
@@ -567,7 +602,7 @@ def test_smollm2_quantized_bf16_chat_answers_like_dense():
     sp = SamplingParams(temperature=0, max_tokens=12)
     kw = dict(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=256)
     quant = LLM(quantization="gguf", **kw)
-    assert quant.llm_engine.engine_core.runner.model.lm_head.scale.dtype == torch.float32
+    assert quant.llm_engine.engine_core.runner.model.lm_head.kind == "kquant"  # the Q8_0 table as stored
     got = quant.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
     want = LLM(quantization="none", **kw).chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
     assert "Paris" in want and got == want

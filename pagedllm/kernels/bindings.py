@@ -65,6 +65,13 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "int4_gemv_bf16": _INT4_GEMV, "int4_gemv_bf16_f32": _INT4_GEMV,
         "int8_logits_vnni": Fn(_INT8.argtypes, optional=True),
     }),
+    # -ffp-contract=off: the scalar path's float operations stay as written (it mirrors the vector lanes)
+    Library("kquant", ("kquant_cpu.c",), ("amx", "avx512_bf16", "avx2"), {
+        "kq_isa": Fn((), I32),
+        "kq_quantize_act": Fn((P, I64, I64, I32, P, P, P, P, P)),
+        "kq_matmul": Fn((I32, P, I64, I64, I64, P, P, P, P, P, I64, P, I64, I32), I32),
+        "kq_dequant_rows": Fn((I32, P, I64, I64, P, I64, P, I32), I32),
+    }, ("-O3", "-fopenmp", "-ffp-contract=off")),
     Library("stack", ("llama_stack.c",), ("amx", "avx512_bf16", "avx2"), {
         "stack_forward": Fn((P, P)),  # (const struct stack_model *, const struct stack_step *)
         "stack_scratch_elems": Fn((P, I64), I64),
