@@ -141,12 +141,15 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # Which CPU kernels run (ISA level and switches), resolved once at start-up; see pagedllm.kernels.config.
+    kernel: Any = None  # a pagedllm.kernels.KernelConfig (None: resolve from the environment)
 
 
-def resolve_dtype(dtype: str, hf_config: Any = None):
+def resolve_dtype(dtype: str, hf_config: Any = None, cpu_isa: Optional[str] = None):
     """Maps ``auto``/``bfloat16``/``bf16``/``float16``/``float32``/``fp32`` to a torch dtype.
 
-    ``auto`` is bfloat16 on CPUs with native bf16 (AVX-512-BF16/AMX) and on CUDA, float32 otherwise.
+    ``auto`` is bfloat16 on CUDA and at the CPU ISA levels with native bf16 (``amx``, ``avx512_bf16``; ``cpu_isa``,
+    default the detected level), float32 otherwise.
 
     Raises:
         ValueError: naming ``dtype`` for an unknown value.
@@ -167,26 +170,12 @@ def resolve_dtype(dtype: str, hf_config: Any = None):
     if d == "auto":
         if torch.cuda.is_available():
             return torch.bfloat16
-        return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+        from pagedllm.kernels.config import check_level
+
+        return torch.bfloat16 if check_level(cpu_isa) in ("amx", "avx512_bf16") else torch.float32
     if d not in table:
         raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}.")
     return table[d]
-
-
-def cpu_flags() -> set:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (e.g. ``{"avx512_bf16", "amx_tile", ...}``); empty if unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_has_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @dataclass
@@ -222,6 +211,7 @@ class EngineArgs:
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
     structured_outputs_config: Optional[Any] = None  # dict or JSON text, see StructuredOutputsConfig
     reasoning_parser: Optional[str] = None  # deepseek_r1 | qwen3: structured outputs start after </think>
+    cpu_isa: Optional[str] = None  # auto (None) | amx | avx512_bf16 | avx2 | none: force a lower kernel ISA level
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -274,6 +264,9 @@ class EngineArgs:
         from pagedllm.model_loader.hf_config import load_hf_config, get_architecture
 
         self._verify()
+        from pagedllm.kernels.config import KernelConfig
+
+        kernel = KernelConfig.from_env(self.cpu_isa)  # ValueError for a level above this CPU's
         model = self.model or default_model_path()
         model = os.path.expanduser(model)
         if not os.path.exists(model):
@@ -281,7 +274,7 @@ class EngineArgs:
         is_gguf = model.endswith(".gguf")
         hf_config = load_hf_config(model)
         architecture = get_architecture(hf_config)
-        dtype = resolve_dtype(self.dtype, hf_config)
+        dtype = resolve_dtype(self.dtype, hf_config, kernel.level)
         quant_config = self._quant_config(model, hf_config, architecture)
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 8192
         max_model_len = self.max_model_len or max_pos
@@ -339,4 +332,5 @@ class EngineArgs:
                 node_rank=self.node_rank,
                 max_in_flight_batches=self.max_in_flight_batches,
             ),
+            kernel=kernel,
         )

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.protocol import (
@@ -290,7 +291,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1",
                    help="Address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000).")
-    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+    g.add_argument("--api-key", default=envs.get("PAGEDLLM_API_KEY"),
                    help="If set, /v1/* requests must send 'Authorization: Bearer <key>' (else 401). "
                         "Default: $PAGEDLLM_API_KEY.")
     g.add_argument("--uvicorn-log-level", default="info",
