@@ -77,12 +77,70 @@ class ParallelConfig:
         return self.world_size > 1 or self.distributed_executor_backend == "external_launcher"
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
+# The names pagedllm.entrypoints.openai.reasoning registers (a test keeps the two in step).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config`` (vLLM 0.32's keys) plus ``--reasoning-parser``.
+
+    ``disable_any_whitespace`` defaults to True here (vLLM: False): JSON grammars are compiled without arbitrary
+    whitespace, so a small model can't emit spaces until ``max_tokens`` inside a constrained answer; a request opts
+    into the permissive form with ``structured_outputs.disable_any_whitespace = false``.
+    """
+
+    backend: str = "xgrammar"
+    disable_any_whitespace: bool = True
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: Optional[str] = None
+    max_compile_threads: int = 2  # grammar compilation runs in this many threads, off the engine thread
+
+    @classmethod
+    def parse(cls, value: Any, reasoning_parser: Optional[str] = None) -> "StructuredOutputsConfig":
+        """From a dict, its JSON text or None.
+
+        Raises:
+            ValueError: naming ``structured_outputs_config`` for bad JSON, an unknown key or backend.
+        """
+        import json
+
+        if value is None:
+            value = {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}.")
+        value = dict(value)
+        if value.get("backend") in (None, "auto"):
+            value["backend"] = "xgrammar"
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {sorted(unknown)}; known: {sorted(names)}.")
+        if value["backend"] not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
+                             f"got {value['backend']!r}.")
+        if reasoning_parser is not None:
+            value["reasoning_parser"] = reasoning_parser
+        if value.get("reasoning_parser") not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                             f"{value['reasoning_parser']!r}.")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Which CPU kernels run (ISA level and switches), resolved once at start-up; see pagedllm.kernels.config.
     kernel: Any = None  # a pagedllm.kernels.KernelConfig (None: resolve from the environment)
 
@@ -151,6 +209,8 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
+    structured_outputs_config: Optional[Any] = None  # dict or JSON text, see StructuredOutputsConfig
+    reasoning_parser: Optional[str] = None  # deepseek_r1 | qwen3: structured outputs start after </think>
     cpu_isa: Optional[str] = None  # auto (None) | amx | avx512_bf16 | avx2 | none: force a lower kernel ISA level
 
     @classmethod
@@ -232,7 +292,9 @@ class EngineArgs:
 
             chat_template = load_chat_template(self.chat_template)
         kv_bytes = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        so_config = StructuredOutputsConfig.parse(self.structured_outputs_config, self.reasoning_parser)
         return EngineConfig(
+            structured_outputs=so_config,
             model=ModelConfig(
                 model=model,
                 tokenizer=self.tokenizer or model,

@@ -58,7 +58,10 @@ class LLMEngine:
         else:
             self.tokenizer = get_tokenizer(mc.tokenizer)
             self.eos_token_ids = set(get_eos_token_ids(self.tokenizer, mc.model))
-        self.engine_core = EngineCore(config, model=model)
+        from pagedllm.structured_output import make_structured_output_manager
+
+        so_manager = make_structured_output_manager(config, self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.engine_core = EngineCore(config, model=model, structured_output_manager=so_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
@@ -117,6 +120,12 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         mc = self.config.model
         params.verify_for_model(mc.vocab_size, mc.max_logprobs)
+        if params.structured_outputs is not None:
+            from pagedllm.structured_output import validate_structured_outputs
+
+            if mc.skip_tokenizer_init:
+                raise ValueError("structured_outputs needs a tokenizer (the engine runs with skip_tokenizer_init).")
+            validate_structured_outputs(params.structured_outputs, self.config.structured_outputs)
         max_len = mc.max_model_len
         if num_prompt_tokens >= max_len:
             raise ValueError(

@@ -67,6 +67,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "under torchrun).")
     g.add_argument("--nnodes", type=int, default=1, help="Machines in an external_launcher launch.")
     g.add_argument("--node-rank", type=int, default=0, help="This machine's rank in an external_launcher launch.")
+    g.add_argument("--structured-outputs-config", default=None,
+                   help="Structured outputs, as JSON (vLLM's keys), e.g. '{\"backend\": \"xgrammar\"}'. JSON "
+                        "grammars are compact by default here (\"disable_any_whitespace\": true; false for vLLM's "
+                        "any-whitespace form).")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="Split <think>...</think> into message.reasoning_content; structured outputs apply after it.")
     g.add_argument("--max-in-flight-batches", type=int, default=1,
                    help="Pipeline parallel: micro-batches in flight at once, so stages overlap (e.g. "
                         "--pipeline-parallel-size). 1: one step at a time, the CPU default (a decode step of half "

@@ -121,7 +121,8 @@ async def _until_disconnect(request: Request, work: Awaitable) -> Any:
 
 def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None,
               served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
-              shutdown_engine: bool = True, enable_frontend: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, enable_frontend: bool = True, enable_auto_tool_choice: bool = False,
+              tool_call_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app over ``engine`` (an ``AsyncLLM``, or ``EngineArgs`` to build one now).
 
     Args:
@@ -130,13 +131,19 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
         chat_template: overrides the model's chat template.
         enable_frontend: serve the web playground and dashboard (``/stats`` is served either way).
         shutdown_engine: stop the engine thread when the app shuts down.
+        enable_auto_tool_choice, tool_call_parser: vLLM's flags (``tool_choice: auto`` parses the model's calls
+            with the named parser; ``required`` and a named tool work without them).
+
+    Raises:
+        ValueError: for an unknown tool-call parser, or auto tool choice without one.
     """
     if isinstance(engine, EngineArgs):
         engine = AsyncLLM.from_engine_args(engine)
     mc = engine.config.model
     names = list(served_model_names or [mc.served_model_name])
     completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, chat_template=chat_template)
+    chat = OpenAIServingChat(engine, names, chat_template=chat_template,
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -299,6 +306,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "(outputs cross a pipe; the HTTP side then never competes with the step for the GIL).")
     g.add_argument("--disable-frontend", action="store_true",
                    help="Don't serve the web playground (/, /ui) and dashboard (/dashboard); /stats stays.")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="How to read the model's tool calls: hermes (Qwen2.5/Qwen3), llama3_json, mistral, pythonic.")
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
@@ -314,6 +325,16 @@ def run_server(ns: argparse.Namespace) -> int:
     args = engine_args_from_namespace(ns)
     if ns.model is not None:
         args.model = ns.model
+    if ns.tool_call_parser is not None or ns.enable_auto_tool_choice:
+        from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+        try:
+            if ns.tool_call_parser is None:
+                raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+            ToolParserManager.get_tool_parser(ns.tool_call_parser)
+        except ValueError as e:
+            logger.error("cannot start: %s", e)
+            return 2
     t0 = time.perf_counter()
     try:
         engine = AsyncLLM.from_engine_args(args, engine_mode=ns.engine_mode)
@@ -323,7 +344,8 @@ def run_server(ns: argparse.Namespace) -> int:
     cfg = engine.config
     num_blocks = engine.num_kv_blocks
     dtype = str(cfg.model.dtype).replace("torch.", "")
-    app = build_app(engine, api_key=ns.api_key, enable_frontend=not ns.disable_frontend)
+    app = build_app(engine, api_key=ns.api_key, enable_frontend=not ns.disable_frontend,
+                    enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     # The model, tokenizer and app live as long as the process: take them out of the cyclic GC's generations so
     # collections during serving don't rescan them between engine steps (as vLLM's server does after start-up).
     gc.collect()

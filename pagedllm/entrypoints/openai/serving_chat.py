@@ -40,14 +40,35 @@ from pagedllm.entrypoints.openai.serving_engine import (
     sse_error,
     usage_dict,
 )
+from pagedllm.entrypoints.openai.chat_tools import (
+    ChoiceStream,
+    merge_delta,
+    messages_for_template,
+    parse_choice,
+    plan_tools,
+)
+from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser, prompt_opens_think
+from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine, served_model_names, chat_template: Optional[str] = None) -> None:
+    def __init__(self, engine, served_model_names, chat_template: Optional[str] = None,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> None:
+        """Raises ValueError for an unknown ``tool_call_parser`` or auto tool choice without one."""
         super().__init__(engine, served_model_names)
         self.chat_template = chat_template if chat_template is not None else engine.config.model.chat_template
+        # Tools and reasoning (chat_tools.py): vLLM's --enable-auto-tool-choice / --tool-call-parser /
+        # --reasoning-parser.
+        if tool_call_parser is not None:
+            ToolParserManager.get_tool_parser(tool_call_parser)
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+        rp = engine.config.structured_outputs.reasoning_parser
+        self.reasoning_cls = get_reasoning_parser(rp) if rp else None
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: Optional[str] = None,
@@ -62,6 +83,7 @@ class OpenAIServingChat(OpenAIServing):
                 d["role"] = "system"
             d.setdefault("content", "")
             msgs.append(d)
+        msgs = messages_for_template(msgs)
         try:
             return apply_chat_template(self.tokenizer, msgs, chat_template=chat_template or self.chat_template,
                                        add_generation_prompt=add_generation_prompt,
@@ -79,12 +101,25 @@ class OpenAIServingChat(OpenAIServing):
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[ProcessedPrompt, SamplingParams]:
+        try:
+            req._tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                        self.enable_auto_tool_choice, self.tool_call_parser)
+        except ValueError as e:
+            raise bad_request(e) from None
         add_gen = req.add_generation_prompt and not req.continue_final_message
-        ids = self.tokenize_messages(req.messages, add_gen, req.continue_final_message, req.chat_template,
-                                     req.chat_template_kwargs, req.tools)
+        text = self.render(req.messages, add_gen, req.continue_final_message, req.chat_template,
+                           req.chat_template_kwargs, req.tools)
+        req._prompt_opens_think = self.reasoning_cls is not None and prompt_opens_think(text)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         try:
             pp = self.engine.process_prompt(ids)
             sp = req.to_sampling_params(self.max_model_len, len(pp.prompt_token_ids))
+            tool_so = req._tool_plan.structured_outputs()
+            if tool_so is not None:
+                if sp.structured_outputs is not None:
+                    raise ValueError("tool_choice required or a named function can't be combined with "
+                                     "response_format or structured_outputs.")
+                sp.structured_outputs = tool_so
             self.engine.validate_params(sp, len(pp.prompt_token_ids))
         except ValueError as e:
             raise bad_request(e, prompt_param="messages") from None
@@ -114,9 +149,14 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if req.logprobs and c.logprobs is not None:
                 logprobs = ChatLogProbs(**chat_logprobs(c.token_ids, c.logprobs, num_top, self.tokenizer))
+            parsed = parse_choice(c.text, req._tool_plan, self.reasoning_cls, req._prompt_opens_think)
+            finish = c.finish_reason
+            if parsed.tool_calls and finish == "stop":
+                finish = "tool_calls"
             choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                index=c.index, message=ChatResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls,
+                                                           reasoning_content=parsed.reasoning_content),
+                logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
         usage = usage_dict(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
                            final.num_cached_tokens)
         return ChatCompletionResponse(
@@ -133,6 +173,10 @@ class OpenAIServingChat(OpenAIServing):
 
         num_top = req.top_logprobs or 0
         num_prompt = num_completion = num_cached = 0
+        plan = req._tool_plan
+        # Plain text needs no per-choice parsing; tools or reasoning go through a ChoiceStream each.
+        streams = ({i: ChoiceStream(plan, self.reasoning_cls, req._prompt_opens_think) for i in range(req.n)}
+                   if plan.mode != "none" or self.reasoning_cls is not None else None)
         try:
             for i in range(req.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
@@ -144,6 +188,18 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if req.logprobs and c.logprobs:
                         logprobs = chat_logprobs(c.token_ids, c.logprobs, num_top, self.tokenizer)
+                    if streams is not None:
+                        cs = streams[c.index]
+                        delta = cs.feed(c.text) if c.text else {}
+                        finish = c.finish_reason
+                        if finish is not None:
+                            merge_delta(delta, cs.finish())
+                            if cs.called and finish == "stop":
+                                finish = "tool_calls"
+                        if not delta and finish is None and logprobs is None:
+                            continue
+                        yield chunk(c.index, delta, logprobs, finish, c.stop_reason)
+                        continue
                     if not c.text and c.finish_reason is None and logprobs is None:
                         continue
                     delta = {"content": c.text} if c.text or c.finish_reason is None else {}
