@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -41,11 +41,8 @@ class FakeEngine:
     """Each request emits token ``10 + i`` at its i-th step (one per step) until ``max_tokens``.
 
     ``crash_at_step`` makes ``step`` raise; ``gate`` (an Event), when set up, must be set for a step to run.
-    Uses the real ``LLMEngine.process_prompt`` / ``validate_params``.
+    ``AsyncLLM`` validates with the real ``InputProcessor`` before anything reaches ``add_core_request``.
     """
-
-    process_prompt = LLMEngine.process_prompt
-    validate_params = LLMEngine.validate_params
 
     def __init__(self, crash_at_step=None, step_s=0.002):
         self.config = SimpleNamespace(
@@ -63,12 +60,15 @@ class FakeEngine:
         self.step_s = step_s
         self.thread_ids = set()
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None):
+    def add_core_request(self, req):
         self.thread_ids.add(threading.get_ident())
-        if request_id in self.reqs:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        self.added.append(request_id)
-        self.reqs[request_id] = (prompt, params, [], arrival_time)
+        if req.request_id in self.reqs:
+            raise ValueError(f"request_id {req.request_id!r} is already in use.")
+        self.added.append(req.request_id)
+        self.reqs[req.request_id] = (req, req.sampling_params, [], req.arrival_time)
+
+    def take_request_errors(self):
+        return []
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)

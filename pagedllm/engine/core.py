@@ -42,6 +42,8 @@ class EngineCore:
             self.runner = ModelRunner(config, model, num_blocks, layout=layout)
             group_windows = layout.group_windows
         self.num_blocks = num_blocks
+        # Test hook (engine/fault_injection.py): a step that schedules one of these raises in the forward.
+        self.forward_fault_req_ids: set[str] = set()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, group_windows)
         sc = config.scheduler
@@ -69,6 +71,10 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
+        if self.forward_fault_req_ids and not self.forward_fault_req_ids.isdisjoint(sched.num_scheduled_tokens):
+            from pagedllm.engine.fault_injection import InjectedFault
+
+            raise InjectedFault("injected fault in the model forward")
         out = self.runner.execute_model(sched)
         if sched.is_empty:
             return []
