@@ -128,7 +128,12 @@ class OpenAIServingChat(OpenAIServing):
             sp = req.to_sampling_params(self.max_model_len, len(pp.prompt_token_ids))
             self.engine.validate_params(sp, len(pp.prompt_token_ids))
         except ValueError as e:
-            raise bad_request(e, prompt_param="messages") from None
+            err = bad_request(e, prompt_param="messages")
+            if err.param == "logprobs":  # chat's logprobs is a flag; the count is top_logprobs
+                err.param = "top_logprobs"
+            elif err.param == "max_tokens" and req.max_completion_tokens is not None:
+                err.param = "max_completion_tokens"
+            raise err from None
         return pp, sp
 
     async def create_chat_completion(self, req: ChatCompletionRequest
