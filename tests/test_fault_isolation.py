@@ -96,3 +96,31 @@ def test_forward_fault_stops_engine_and_serve_exits_nonzero(fault_server):
         assert isinstance(events[-2], dict) and events[-2]["error"]["code"] == "engine_dead", events[-3:]
     rc = fault_server.proc.wait(60)
     assert rc == 1, fault_server.log_tail()
+
+
+def test_sigterm_drains_then_cuts_streams_with_an_error_event(tmp_path):
+    """SIGTERM: new requests get 503 at once; a stream that finishes within --graceful-shutdown-timeout finishes;
+    the rest end with an error event and [DONE]; the exit code is 0."""
+    import signal
+
+    handle = start_server(str(tmp_path / "serve.log"), "--graceful-shutdown-timeout", "8")
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=handle.url, timeout=300) as ac:
+                long = [asyncio.create_task(_stream_text(ac, _body(p, True, max_tokens=1500))) for p in PROMPTS[:3]]
+                await asyncio.sleep(1.5)
+                short = asyncio.create_task(_stream_text(ac, _body(PROMPTS[3], True, max_tokens=3)))
+                await asyncio.sleep(0.05)
+                handle.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                refused = await ac.post("/v1/completions", json=_body(PROMPTS[4], False))
+                return await asyncio.gather(*long), await short, refused
+
+        long, short, refused = asyncio.run(main())
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert short[1][-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in short[1])
+        for _, events in long:
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead", events[-3:]
+        assert handle.proc.wait(60) == 0, handle.log_tail()
+    finally:
+        stop_server(handle, timeout=10)
