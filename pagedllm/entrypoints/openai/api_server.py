@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve`` (FastAPI + uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /reset_prefix_cache``.
+``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /reset_prefix_cache``; and from
+``pagedllm.entrypoints.web``: ``GET /stats``, the playground (``/``, ``/ui``) and the dashboard (``/dashboard``).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid request (schema and JSON
 errors too, instead of FastAPI's 422; bounds in the README's "Request bounds"), 401 without the ``--api-key`` (every
@@ -127,15 +128,18 @@ async def _until_disconnect(request: Request, work: Awaitable) -> Any:
 
 def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[Union[str, Sequence[str]]] = None,
               served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
-              shutdown_engine: bool = True, *, allow_unauthenticated_metrics: bool = False,
-              server_dev_mode: bool = False, trust_request_chat_template: bool = False,
-              enable_prompt_tokens_details: bool = False, health_step_timeout: float = 60.0) -> FastAPI:
+              shutdown_engine: bool = True, enable_frontend: bool = True, *,
+              allow_unauthenticated_metrics: bool = False, server_dev_mode: bool = False,
+              trust_request_chat_template: bool = False, enable_prompt_tokens_details: bool = False,
+              health_step_timeout: float = 60.0) -> FastAPI:
     """The FastAPI app over ``engine`` (an ``AsyncLLM``, or ``EngineArgs`` to build one now).
 
     Args:
-        api_key: a key or several; if set, every route but ``/health`` requires ``Authorization: Bearer <key>``.
+        api_key: a key or several; if set, every route but ``/health`` (and the web pages' static files) requires
+            ``Authorization: Bearer <key>``.
         served_model_names: names accepted in ``model`` (default: the config's served model name).
         chat_template: overrides the model's chat template.
+        enable_frontend: serve the web playground and dashboard (``/stats`` is served either way).
         shutdown_engine: stop the engine thread when the app shuts down.
         allow_unauthenticated_metrics: leave ``/metrics`` open (for a scraper) when keys are set.
         server_dev_mode: add ``/reset_prefix_cache`` (vLLM keeps it behind ``VLLM_SERVER_DEV_MODE``).
@@ -213,6 +217,10 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[Union[str, 
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if keys:
         open_paths = ["/health"] + (["/metrics"] if allow_unauthenticated_metrics else [])
+        if enable_frontend:  # the web pages and their assets hold no data; they ask for the key themselves
+            from pagedllm.entrypoints.web import PUBLIC_PATHS
+
+            open_paths += sorted(PUBLIC_PATHS)
         app.add_middleware(ApiKeyAuth, api_keys=keys, open_paths=open_paths)
 
     # ------------------------------------------------------------------ plain endpoints
@@ -313,6 +321,9 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[Union[str, 
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat.create_chat_completion(req), req.stream)
 
+    from pagedllm.entrypoints.web import build_web_router
+
+    app.include_router(build_web_router(engine, api_key=api_key, enable_frontend=enable_frontend, version=_version()))
     return app
 
 
@@ -358,6 +369,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--engine-mode", default="thread", choices=["thread", "process"],
                    help="Where the engine loop runs: a thread beside the event loop (default), or a child process "
                         "(outputs cross a pipe; the HTTP side then never competes with the step for the GIL).")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="Don't serve the web playground (/, /ui) and dashboard (/dashboard); /stats stays.")
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
@@ -393,7 +406,8 @@ def run_server(ns: argparse.Namespace) -> int:
     cfg = engine.config
     num_blocks = engine.num_kv_blocks
     dtype = str(cfg.model.dtype).replace("torch.", "")
-    app = build_app(engine, api_key=keys, allow_unauthenticated_metrics=ns.allow_unauthenticated_metrics,
+    app = build_app(engine, api_key=keys, enable_frontend=not ns.disable_frontend,
+                    allow_unauthenticated_metrics=ns.allow_unauthenticated_metrics,
                     server_dev_mode=ns.server_dev_mode, trust_request_chat_template=ns.trust_request_chat_template,
                     enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
                     health_step_timeout=ns.health_step_timeout)
