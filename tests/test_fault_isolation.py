@@ -31,7 +31,7 @@ def fault_server(tmp_path_factory):
     stop_server(handle, timeout=10)
 
 
-def _body(prompt: str, stream: bool, max_tokens: int = 16) -> dict:
+def _body(prompt: str, stream: bool, max_tokens: int = 8) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
 
 

@@ -434,7 +434,7 @@ class RequestStream:
             out = await self._collector.get()
         except BaseException:
             self._done = True
-            self._llm._close_stream(self.request_id)
+            self._llm.abort_stream(self.request_id)
             raise
         if out.finished:
             self._done = True
@@ -450,7 +450,7 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self._done:
             self._done = True
-            self._llm._close_stream(self.request_id)
+            self._llm.abort_stream(self.request_id)
 
 
 class AsyncLLM:
@@ -645,7 +645,7 @@ class AsyncLLM:
         finally:
             await stream.aclose()
 
-    def _close_stream(self, request_id: str) -> None:
+    def abort_stream(self, request_id: str) -> None:
         """A stream closed before its request finished: abort the request."""
         self._unqueue(request_id)
         self._collectors.pop(request_id, None)

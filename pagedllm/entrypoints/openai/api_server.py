@@ -35,7 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.exceptions import EngineShuttingDownError
+from pagedllm.engine.exceptions import (
+    EngineDeadError,
+    EngineShuttingDownError,
+    QueueFullError,
+    RequestFailedError,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -308,7 +313,14 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[Union[str, 
             result = await make
             return StreamingResponse(result, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = await _until_disconnect(request, make)
+        try:
+            result = await _until_disconnect(request, make)
+        except (OpenAIServingError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - answered here: the catch-all handler would drop the connection
+            if not isinstance(e, (EngineDeadError, EngineShuttingDownError, QueueFullError, RequestFailedError)):
+                logger.exception("unhandled error")
+            raise engine_error(e) from None
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(result.model_dump(mode="json"))

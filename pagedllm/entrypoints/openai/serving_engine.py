@@ -243,7 +243,7 @@ class OpenAIServing:
                 streams.append(self.engine.add_request(*spec[:3], cache_salt=spec[3]))
         except BaseException as e:
             for st in streams:
-                self.engine._close_stream(st.request_id)
+                self.engine.abort_stream(st.request_id)
             if isinstance(e, ValueError):
                 raise bad_request(e, prompt_param) from None
             if isinstance(e, Exception):
