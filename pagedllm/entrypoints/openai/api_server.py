@@ -445,8 +445,11 @@ def run_server(ns: argparse.Namespace) -> int:
                 logger.info("signal %d: draining (up to %g s), then shutting down", sig, grace)
                 self.draining = True
                 engine.start_draining()
-                loop.call_soon_threadsafe(lambda: loop.create_task(self._drain_then_exit()))
+                loop.call_soon_threadsafe(self._start_drain)
             self._captured_signals.clear()
+
+        def _start_drain(self) -> None:
+            self._drain_task = asyncio.ensure_future(self._drain_then_exit())  # held: the loop keeps weak refs
 
         async def _drain_then_exit(self) -> None:
             cut = await engine.drain(grace)

@@ -121,10 +121,12 @@ class OpenAIServingChat(OpenAIServing):
         """Renders, tokenizes and validates (call it off the event loop). Raises OpenAIServingError (400)."""
         self.check_template_args(req.chat_template, req.chat_template_kwargs, req.add_generation_prompt,
                                  req.continue_final_message)
-        ids = self.tokenize_messages(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                     req.chat_template, req.chat_template_kwargs, req.tools)
+        text = self.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                           req.chat_template, req.chat_template_kwargs, req.tools)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         try:
             pp = self.engine.process_prompt(ids)
+            pp.prompt = text  # the rendered conversation
             sp = req.to_sampling_params(self.max_model_len, len(pp.prompt_token_ids))
             self.engine.validate_params(sp, len(pp.prompt_token_ids))
         except ValueError as e:
