@@ -103,14 +103,24 @@ def test_sigterm_drains_then_cuts_streams_with_an_error_event(tmp_path):
     the rest end with an error event and [DONE]; the exit code is 0."""
     import signal
 
-    handle = start_server(str(tmp_path / "serve.log"), "--graceful-shutdown-timeout", "8")
+    handle = start_server(str(tmp_path / "serve.log"), "--graceful-shutdown-timeout", "20")
     try:
         async def main():
             async with httpx.AsyncClient(base_url=handle.url, timeout=300) as ac:
                 long = [asyncio.create_task(_stream_text(ac, _body(p, True, max_tokens=1500))) for p in PROMPTS[:3]]
-                await asyncio.sleep(1.5)
-                short = asyncio.create_task(_stream_text(ac, _body(PROMPTS[3], True, max_tokens=3)))
-                await asyncio.sleep(0.05)
+                started = asyncio.Event()
+
+                async def short_stream():
+                    events = []
+                    async with ac.stream("POST", "/v1/completions", json=_body(PROMPTS[3], True, 4)) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                                started.set()
+                    return "", events
+
+                short = asyncio.create_task(short_stream())
+                await asyncio.wait_for(started.wait(), 240)  # it is running: it must finish within the grace
                 handle.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
                 refused = await ac.post("/v1/completions", json=_body(PROMPTS[4], False))
