@@ -103,7 +103,7 @@ def test_sigterm_drains_then_cuts_streams_with_an_error_event(tmp_path):
     the rest end with an error event and [DONE]; the exit code is 0."""
     import signal
 
-    handle = start_server(str(tmp_path / "serve.log"), "--graceful-shutdown-timeout", "20")
+    handle = start_server(str(tmp_path / "serve.log"), "--graceful-shutdown-timeout", "30")
     try:
         async def main():
             async with httpx.AsyncClient(base_url=handle.url, timeout=300) as ac:
@@ -112,7 +112,7 @@ def test_sigterm_drains_then_cuts_streams_with_an_error_event(tmp_path):
 
                 async def short_stream():
                     events = []
-                    async with ac.stream("POST", "/v1/completions", json=_body(PROMPTS[3], True, 4)) as r:
+                    async with ac.stream("POST", "/v1/completions", json=_body(PROMPTS[3], True, 2)) as r:
                         async for line in r.aiter_lines():
                             if line.startswith("data: "):
                                 events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))

@@ -498,10 +498,10 @@ def test_continuous_usage_stats_in_every_chunk(server, model, path, body):
 def test_stop_string_equal_to_hidden_special_token(server, model):
     """``<|im_end|>`` is hidden from the text by skip_special_tokens; as a stop string it still stops (ignore_eos
     keeps the end-of-turn token from ending the request on its own)."""
-    body = {"model": model, "messages": CHAT, "max_tokens": 96, "temperature": 0, "ignore_eos": True}
-    free = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    body = {"model": model, "messages": CHAT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    free = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
     assert free["finish_reason"] == "length"  # without the stop string the turn's end doesn't stop it
-    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stop": ["<|im_end|>"]}, timeout=120)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stop": ["<|im_end|>"]}, timeout=300)
     ch = r.json()["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["stop_reason"] == "<|im_end|>", ch
     assert "<|im_end|>" not in ch["message"]["content"]
