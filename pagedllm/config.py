@@ -107,12 +107,15 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: InputLimits = field(default_factory=InputLimits)
+    # Which CPU kernels run (ISA level and switches), resolved once at start-up; see pagedllm.kernels.config.
+    kernel: Any = None  # a pagedllm.kernels.KernelConfig (None: resolve from the environment)
 
 
-def resolve_dtype(dtype: str, hf_config: Any = None):
+def resolve_dtype(dtype: str, hf_config: Any = None, cpu_isa: Optional[str] = None):
     """Maps ``auto``/``bfloat16``/``bf16``/``float16``/``float32``/``fp32`` to a torch dtype.
 
-    ``auto`` is bfloat16 on CPUs with native bf16 (AVX-512-BF16/AMX) and on CUDA, float32 otherwise.
+    ``auto`` is bfloat16 on CUDA and at the CPU ISA levels with native bf16 (``amx``, ``avx512_bf16``; ``cpu_isa``,
+    default the detected level), float32 otherwise.
 
     Raises:
         ValueError: naming ``dtype`` for an unknown value.
@@ -133,26 +136,12 @@ def resolve_dtype(dtype: str, hf_config: Any = None):
     if d == "auto":
         if torch.cuda.is_available():
             return torch.bfloat16
-        return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+        from pagedllm.kernels.config import check_level
+
+        return torch.bfloat16 if check_level(cpu_isa) in ("amx", "avx512_bf16") else torch.float32
     if d not in table:
         raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}.")
     return table[d]
-
-
-def cpu_flags() -> set:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (e.g. ``{"avx512_bf16", "amx_tile", ...}``); empty if unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_has_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @dataclass
@@ -186,6 +175,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
+    cpu_isa: Optional[str] = None  # auto (None) | amx | avx512_bf16 | avx2 | none: force a lower kernel ISA level
     # Request bounds (see InputLimits and the README's "Request bounds" table).
     max_n: int = InputLimits.max_n
     max_num_stop_strings: int = InputLimits.max_num_stop_strings
@@ -256,6 +246,9 @@ class EngineArgs:
         from pagedllm.model_loader.hf_config import load_hf_config, get_architecture
 
         self._verify()
+        from pagedllm.kernels.config import KernelConfig
+
+        kernel = KernelConfig.from_env(self.cpu_isa)  # ValueError for a level above this CPU's
         model = self.model or default_model_path()
         model = os.path.expanduser(model)
         if not os.path.exists(model):
@@ -263,7 +256,7 @@ class EngineArgs:
         is_gguf = model.endswith(".gguf")
         hf_config = load_hf_config(model)
         architecture = get_architecture(hf_config)
-        dtype = resolve_dtype(self.dtype, hf_config)
+        dtype = resolve_dtype(self.dtype, hf_config, kernel.level)
         quant_config = self._quant_config(model, hf_config, architecture)
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 8192
         max_model_len = self.max_model_len or max_pos
@@ -320,4 +313,5 @@ class EngineArgs:
                 max_in_flight_batches=self.max_in_flight_batches,
             ),
             limits=InputLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(InputLimits)}),
+            kernel=kernel,
         )

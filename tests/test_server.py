@@ -308,6 +308,32 @@ def test_32_concurrent_streams_match_solo_greedy(server, model):
     assert m["pagedllm:num_requests_running"] == 0
 
 
+def test_greedy_alone_equals_among_8_concurrent_streams(server, model):
+    """Batch invariance through the server (the default int4 model at this CPU's ISA level): one prompt's 48 greedy
+    tokens alone, then streamed while 8 other streams of other lengths share its prefill and decode steps."""
+    target = "Explain why the sky is blue."
+    others = [f"List {i + 2} facts about the planet Mars." + " Be brief." * i for i in range(8)]
+    body = {"model": model, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        alone = c.post("/v1/completions", json={**body, "prompt": target}).json()["choices"][0]["text"]
+
+    async def one(ac, prompt):
+        text = ""
+        async with ac.stream("POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as ac:
+            return await asyncio.gather(*[one(ac, p) for p in others[:4] + [target] + others[4:]])
+
+    texts = asyncio.run(main())
+    assert texts[4] == alone
+
+
 # ---------------------------------------------------------------------------------------------------- disconnects
 def _wait_idle(server, idle_kv: float, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout

@@ -23,6 +23,10 @@ class EngineCore:
         from pagedllm.model_loader.loader import load_model
         from pagedllm.worker.model_runner import ModelRunner, determine_num_blocks
 
+        from pagedllm import kernels
+
+        if config.kernel is not None:  # before the model loads: packing and quantized layouts depend on it
+            kernels.set_config(config.kernel)
         self.config = config
         self.executor = None
         if config.parallel.is_parallel:

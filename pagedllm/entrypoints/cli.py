@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Model name reported by the API and accepted in requests (default: the model path).")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="Weight and activation dtype. auto = bfloat16 on CPUs with AVX-512-BF16/AMX, else float32.")
+    g.add_argument("--cpu-isa", default=None, choices=["auto", "amx", "avx512_bf16", "avx2", "none"],
+                   help="Force a lower ISA level for the CPU kernels (default auto: the best this CPU has; a level "
+                        "above it is an error). Same as $PAGEDLLM_CPU_ISA; see README 'CPU kernels and ISA levels'.")
     g.add_argument("--quantization", "-q", default=None,
                    choices=["auto", "none", "gguf", "gptq", "awq", "int8"],
                    help="Weight quantization. Default auto: as the checkpoint is stored (a GGUF runs quantized; "
@@ -193,10 +196,22 @@ def set_openmp_spin(command: str) -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", SERVE_GOMP_SPINCOUNT)
 
 
+def set_cpu_isa(cpu_isa: Optional[str]) -> None:
+    """With ``--cpu-isa`` below the CPU's level, caps torch's oneDNN/ATen at it too (they read their variables when
+    first used, so this runs before torch does any work); the user's own settings win."""
+    if cpu_isa and cpu_isa != "auto":
+        from pagedllm.kernels.config import level_environ
+
+        for k, v in level_environ(cpu_isa).items():
+            if k != "PAGEDLLM_CPU_ISA":
+                os.environ.setdefault(k, v)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     set_openmp_spin(ns.command)
+    set_cpu_isa(getattr(ns, "cpu_isa", None))
     return ns.func(ns) or 0
 
 

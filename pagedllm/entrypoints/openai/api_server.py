@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Optional, Sequence, Union
@@ -33,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import (
@@ -400,8 +400,9 @@ def run_server(ns: argparse.Namespace) -> int:
     if ns.model is not None:
         args.model = ns.model
     try:
-        keys = load_api_keys(ns.api_key if ns.api_key is not None else (
-            [os.environ["PAGEDLLM_API_KEY"]] if os.environ.get("PAGEDLLM_API_KEY") else []), ns.api_key_file)
+        env_key = envs.get("PAGEDLLM_API_KEY")
+        keys = load_api_keys(ns.api_key if ns.api_key is not None else ([env_key] if env_key else []),
+                             ns.api_key_file)
     except (OSError, ValueError) as e:
         logger.error("cannot start: %s", e)
         return 2
