@@ -135,12 +135,36 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class InputLimits:
+    """Bounds every request is checked against once, by ``engine.input_processor.InputProcessor`` (and, for the
+    HTTP body, by the server's body guard). The README's "Request bounds" table lists each with its flag.
+
+    0 / None means "no bound" only where noted."""
+
+    max_n: int = 128  # choices per request (OpenAI's cap)
+    max_num_stop_strings: int = 64
+    max_stop_string_len: int = 1024  # characters, each stop string
+    max_num_stop_token_ids: int = 1024
+    max_num_logit_bias: int = 1024  # logit_bias entries
+    max_num_allowed_token_ids: int = 4096  # also bounds the sampler's per-step mask building
+    max_cache_salt_len: int = 1024  # characters
+    max_num_prompts: int = 1024  # prompts in one completions request (vLLM's cap)
+    max_request_body_bytes: int = 16 << 20  # HTTP body; 413 past it, checked before parsing
+    max_chat_template_chars: int = 1 << 20  # rendered chat prompt, characters
+    # Admission queue (vLLM's names): requests (children of n > 1 count one each) and prompt tokens admitted but
+    # not yet producing output; past either the server answers 429 with Retry-After. 0: unbounded.
+    max_num_queued_reqs: int = 1024
+    max_num_queued_tokens: int = 1 << 20
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    limits: InputLimits = field(default_factory=InputLimits)
     # Which CPU kernels run (ISA level and switches), resolved once at start-up; see pagedllm.kernels.config.
     kernel: Any = None  # a pagedllm.kernels.KernelConfig (None: resolve from the environment)
 
@@ -212,6 +236,19 @@ class EngineArgs:
     structured_outputs_config: Optional[Any] = None  # dict or JSON text, see StructuredOutputsConfig
     reasoning_parser: Optional[str] = None  # deepseek_r1 | qwen3: structured outputs start after </think>
     cpu_isa: Optional[str] = None  # auto (None) | amx | avx512_bf16 | avx2 | none: force a lower kernel ISA level
+    # Request bounds (see InputLimits and the README's "Request bounds" table).
+    max_n: int = InputLimits.max_n
+    max_num_stop_strings: int = InputLimits.max_num_stop_strings
+    max_stop_string_len: int = InputLimits.max_stop_string_len
+    max_num_stop_token_ids: int = InputLimits.max_num_stop_token_ids
+    max_num_logit_bias: int = InputLimits.max_num_logit_bias
+    max_num_allowed_token_ids: int = InputLimits.max_num_allowed_token_ids
+    max_cache_salt_len: int = InputLimits.max_cache_salt_len
+    max_num_prompts: int = InputLimits.max_num_prompts
+    max_request_body_bytes: int = InputLimits.max_request_body_bytes
+    max_chat_template_chars: int = InputLimits.max_chat_template_chars
+    max_num_queued_reqs: int = InputLimits.max_num_queued_reqs
+    max_num_queued_tokens: int = InputLimits.max_num_queued_tokens
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -230,6 +267,11 @@ class EngineArgs:
                      "tensor_parallel_size", "pipeline_parallel_size"):
             pos(name)
         pos("max_in_flight_batches", allow_none=False)
+        for f in dataclasses.fields(InputLimits):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (v == 0 and not f.name.startswith(
+                    "max_num_queued")):
+                raise ValueError(f"{f.name} must be a positive integer, got {v!r}.")
         pos("nnodes", allow_none=False)
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}.")
@@ -332,5 +374,6 @@ class EngineArgs:
                 node_rank=self.node_rank,
                 max_in_flight_batches=self.max_in_flight_batches,
             ),
+            limits=InputLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(InputLimits)}),
             kernel=kernel,
         )

@@ -47,6 +47,8 @@ class EngineCore:
             self.runner = ModelRunner(config, model, num_blocks, layout=layout)
             group_windows = layout.group_windows
         self.num_blocks = num_blocks
+        # Test hook (engine/fault_injection.py): a step that schedules one of these raises in the forward.
+        self.forward_fault_req_ids: set[str] = set()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, group_windows)
         sc = config.scheduler
@@ -131,6 +133,10 @@ class EngineCore:
         if self.structured_output_manager is not None and self.structured_output_manager.has_pending():
             extra = self._admit_grammar_requests()
         sched = self.scheduler.schedule()
+        if self.forward_fault_req_ids and not self.forward_fault_req_ids.isdisjoint(sched.num_scheduled_tokens):
+            from pagedllm.engine.fault_injection import InjectedFault
+
+            raise InjectedFault("injected fault in the model forward")
         self._attach_grammar_bitmask(sched, overlap=self.executor is None)
         out = self.runner.execute_model(sched)
         if hasattr(sched.grammar_bitmask, "result"):

@@ -97,6 +97,7 @@ class _SamplingFields(OpenAIBaseModel):
     prompt_logprobs: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
     cache_salt: Optional[str] = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's extension)
     # Structured outputs (see structured_fields.py): vLLM's object and its legacy fields; response_format below.
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
@@ -159,6 +160,11 @@ class _SamplingFields(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Cumulative usage in every stream chunk (vLLM's ``stream_options.continuous_usage_stats``)."""
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 # ---------------------------------------------------------------------------------------------------- completions
@@ -243,6 +249,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
         """Raises ValueError naming the field."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt can't both be true (set "
+                             "add_generation_prompt to false to continue the final assistant message).")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
