@@ -157,6 +157,30 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
     assert len(calls) == 6
 
 
+def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
+    """Batch invariant: in a step marked by ``step_rows``, decode rows run on the integer-dot kernel and prefill rows
+    on the C tile kernel, so each row's bits are those it gets alone (a 1-token decode step, or its prompt alone)."""
+    from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
+
+    if not cpu_kernels.int4_gemv_supported():
+        pytest.skip("no integer-dot kernel at this level: int4_gemm takes every row")
+    torch.manual_seed(0)
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(200, 256), 32), torch.bfloat16)
+    mm = lambda x: K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], 32, 200)  # noqa: E731
+    query_lens = [1, 5, 1, 3, 1]
+    x = torch.randn(sum(query_lens), 256).bfloat16()
+    with K.step_rows(query_lens):
+        y = mm(x)
+    starts = [0, 1, 6, 7, 10]
+    for s0, q in zip(starts, query_lens):
+        with K.step_rows([q]):
+            alone = mm(x[s0:s0 + q].contiguous())
+        assert torch.equal(y[s0:s0 + q], alone), (s0, q)
+    with K.step_rows([1] * 11):
+        assert torch.equal(mm(x)[0], y[0])  # a decode row among 10 others
+
+
 def test_int4_library_without_vnni_serves_the_other_kernels():
     """The library built for level avx2 (x86-64-v3: no AVX-512, so no VNNI kernels compiled in) reports the decode
     kernel as unsupported, leaves it unbound, and its int4 gemm and scalar int8 logits equal the AVX-512 build's

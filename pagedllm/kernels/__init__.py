@@ -3,7 +3,8 @@ ISA levels and the ``KernelConfig`` (``config``). The only package that builds o
 
 The process runs one active ``KernelConfig`` (``config()``): resolved from the environment on first use, or set at
 engine start-up from ``EngineConfig.kernel`` (``set_config``); ``use(cfg)`` switches it for a block (tests).
-``lib(name)`` is the named library for the active level (built and bound on first use), or None where it must not
+The configuration is per process (an engine's start-up sets it; one engine per process in production, and the
+test suite restores it after each test). ``lib(name)`` is the named library for the active level (built and bound on first use), or None where it must not
 or cannot run: level ``none`` / ``cpu_kernels`` off, a library not built for the level, no compiler (one warning),
 or, for ``amx``, the OS refusing the tile state. Wrappers in attention/, layers/, models/ call it and fall back to
 torch on None.

@@ -8,7 +8,7 @@ path's bit for bit (``tests/test_fused_stack.py``); only the per-call overhead g
 It runs where every layer is a fast path: bf16, one process (no tensor/pipeline parallelism), every linear either a
 ``PackedLinear`` on a packed-kernel backend (``packed_linear.LINEAR_BACKENDS``: AMX, or dpbf16 without AMX; all on
 the same one, gate_up packed gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is (GGUF Q4_0/Q4_1, GPTQ/AWQ without act-order or bias;
-with ``batch_invariant`` off, only steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens), no q/k norm (Qwen3), the C
+then only decode-only steps, or with ``batch_invariant`` off steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens), no q/k norm (Qwen3), the C
 RMSNorm/RoPE/decode-attention kernels built, one attention metadata for all layers, and for steps with prefill
 tokens the AMX prefill attention kernel available (level ``amx``, head_dim % 32 == 0, <= 128; block_size % 16 == 0).
 So it runs at every ISA level that has those kernels (decode steps below ``amx``). Elsewhere, and with
@@ -67,7 +67,8 @@ class FusedStack:
         self.H, self.KVH, self.D = a0.num_heads, a0.num_kv_heads, a0.head_dim
         self.inter = layers[0].mlp.gate_up_proj.out_features // 2
         self.prefill_ok = prefill_ok
-        # int4 linears run on int4_gemv_bf16: at every step size when batch invariant, as the Python path does
+        # int4 linears run on int4_gemv_bf16, as the Python path runs decode rows (batch invariant: only steps
+        # without prefill rows, which it gives the C tile kernel; else steps of <= INT4_GEMV_MAX_TOKENS tokens)
         self.any_int4 = False
         self.int4_max_tokens = None if kernels.config().batch_invariant else INT4_GEMV_MAX_TOKENS
         self.layers = layers
@@ -192,7 +193,7 @@ class FusedStack:
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
         T = x.shape[0]
-        if self.any_int4 and self.int4_max_tokens is not None and T > self.int4_max_tokens:  # the Python loop's path
+        if self.any_int4 and (T > self.int4_max_tokens if self.int4_max_tokens is not None else meta.prefills):
             return None
         s = self._step
         s.T, s.x, s.cs, s.cs_stride, s.slots = T, x.data_ptr(), cos.data_ptr(), cos.stride(0), slots.data_ptr()

@@ -19,6 +19,7 @@ from pagedllm.attention.torch_attn import build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.packed_linear import pack_linear_weights, packing_supported
+from pagedllm.layers.quantization.kernels import step_rows
 from pagedllm.kv_cache_spec import KVCacheLayout, KVCacheSpec, as_kv_cache_specs, plan_kv_cache_layout
 from pagedllm.layers.sampler import (
     LogprobsTensors,
@@ -216,7 +217,8 @@ class ModelRunner:
                               for g in range(1, self.num_groups)]
             meta = [metas[g] for g in self.layout.layer_group]
 
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with step_rows(query_lens):  # which rows are decode / prefill (int4 linears' kernel per row kind)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # Rows that sample: their last scheduled token is the last known token.
         sample_rows = [i for i, st in enumerate(states) if seq_lens[i] >= len(st.token_ids)]
