@@ -77,12 +77,94 @@ class ParallelConfig:
         return self.world_size > 1 or self.distributed_executor_backend == "external_launcher"
 
 
+SPEC_METHODS = ("ngram",)  # draft_model and self_int4: issue 21, not built yet
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, ``LLM(speculative_config=...)``; vLLM's keys).
+
+    ``method`` ``ngram`` is prompt lookup (Saxena 2023, "Prompt Lookup Decoding"): the last ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens are matched against the request's prompt and output so far and the tokens that
+    followed the match are proposed, at most ``num_speculative_tokens`` of them. vLLM's defaults: when neither bound
+    is given both are 5; when one is given the other equals it.
+
+    ``disable_by_batch_size``: no draft tokens are scheduled in a step that starts with more running requests than
+    this (a batch that large is compute-bound: verifying drafts costs more than it saves). ``adaptive`` (ours, not
+    vLLM's): each request's number of draft tokens follows its recent acceptance (``pagedllm.spec_decode.adaptive``);
+    off: always ``num_speculative_tokens`` when a proposal is that long.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: Optional[int] = None
+    adaptive: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SpeculativeConfig":
+        """Builds the config from vLLM's JSON/dict form (a JSON string is parsed first).
+
+        Raises:
+            ValueError: naming ``speculative_config`` and the bad key (unknown key, wrong type, bad range).
+        """
+        import json
+
+        if isinstance(d, cls):
+            return d
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}.")
+        method = d.get("method", "ngram")
+        if method == "[ngram]":  # vLLM's older spelling
+            method = "ngram"
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {method!r}.")
+
+        def int_key(name: str, lo: int, default: Optional[int]) -> Optional[int]:
+            v = d.get(name, default)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 1 << 20:
+                raise ValueError(f"speculative_config.{name} must be an integer >= {lo}, got {v!r}.")
+            return v
+
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is required.")
+        k = int_key("num_speculative_tokens", 1, None)
+        if k > 64:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most 64, got {k}.")
+        lo = int_key("prompt_lookup_min", 1, None)
+        hi = int_key("prompt_lookup_max", 1, None)
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}.")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   disable_by_batch_size=int_key("disable_by_batch_size", 1, None), adaptive=adaptive)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
 
 
 def resolve_dtype(dtype: str, hf_config: Any = None):
@@ -162,6 +244,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
+    speculative_config: Optional[Any] = None  # a dict / JSON string with vLLM's keys (SpeculativeConfig.from_dict)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -239,6 +322,12 @@ class EngineArgs:
 
             chat_template = load_chat_template(self.chat_template)
         kv_bytes = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        speculative = None
+        if self.speculative_config is not None:
+            speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1 or \
+                    self.distributed_executor_backend == "external_launcher":
+                raise ValueError("speculative_config can't be combined with tensor/pipeline parallelism yet.")
         return EngineConfig(
             model=ModelConfig(
                 model=model,
@@ -277,4 +366,5 @@ class EngineArgs:
                 node_rank=self.node_rank,
                 max_in_flight_batches=self.max_in_flight_batches,
             ),
+            speculative=speculative,
         )
