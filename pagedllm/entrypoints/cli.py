@@ -64,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "under torchrun).")
     g.add_argument("--nnodes", type=int, default=1, help="Machines in an external_launcher launch.")
     g.add_argument("--node-rank", type=int, default=0, help="This machine's rank in an external_launcher launch.")
+    g.add_argument("--speculative-config", default=None,
+                   help='Speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (also "disable_by_batch_size", and '
+                        '"adaptive": false for a fixed draft length).')
     g.add_argument("--max-in-flight-batches", type=int, default=1,
                    help="Pipeline parallel: micro-batches in flight at once, so stages overlap (e.g. "
                         "--pipeline-parallel-size). 1: one step at a time, the CPU default (a decode step of half "
