@@ -33,6 +33,9 @@ from pagedllm.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 600.0
+# How long a rank's step error waits for a peer's exit to show (a killed peer's sentinel can fire after the survivor
+# has already reported the reset connection).
+_PEER_DEATH_GRACE_S = 1.0
 
 
 def _free_port() -> int:
@@ -222,6 +225,11 @@ class MultiprocExecutor:
                 if starting:  # a bad setting found by the worker (e.g. KV cache too small) stays a ValueError
                     exc = ValueError if payload.startswith("ValueError:") else RuntimeError
                     raise exc(f"tensor/pipeline-parallel worker rank {rank} failed to start: {payload}")
+                # A rank's error is often the echo of a peer's death (its collective's connection was reset by the
+                # dead peer): a peer that exits within a second is named as the cause instead.
+                fired = wait([p.sentinel for i, p in enumerate(self.procs) if i != rank], _PEER_DEATH_GRACE_S)
+                if fired:
+                    self._check_workers(fired)
                 raise self._died(f"worker {payload}")
             ready = wait([conn] + [p.sentinel for p in self.procs], timeout)
             if not ready:
