@@ -90,9 +90,13 @@ class SpeculativeConfig:
     is given both are 5; when one is given the other equals it.
 
     ``disable_by_batch_size``: no draft tokens are scheduled in a step that starts with more running requests than
-    this (a batch that large is compute-bound: verifying drafts costs more than it saves). ``adaptive`` (ours, not
-    vLLM's): each request's number of draft tokens follows its recent acceptance (``pagedllm.spec_decode.adaptive``);
-    off: always ``num_speculative_tokens`` when a proposal is that long.
+    this (vLLM's key; unset: never). ``step_token_budget`` (ours): drafts only fill a step up to this many tokens in
+    all, shared evenly: with ``R`` running requests each may verify ``(budget - R) // R`` drafts (budget 8: 7 drafts
+    at 1 request, 3 at 2, 1 at 3-4, none from 5 on). A decode step on a CPU costs about the same up to a few rows
+    (its weights are read once; int4 weights take the integer GEMV kernel up to 8 rows,
+    ``layers/quantization/kernels.py``) and then more per row, so under load speculation steps aside by itself.
+    ``adaptive`` (ours): each request's number of draft tokens follows its recent acceptance
+    (``pagedllm.spec_decode.adaptive``); off: always as many as allowed when a proposal is that long.
     """
 
     method: str = "ngram"
@@ -101,6 +105,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: Optional[int] = None
     adaptive: bool = True
+    step_token_budget: int = 8
 
     @classmethod
     def from_dict(cls, d: Any) -> "SpeculativeConfig":
@@ -155,7 +160,8 @@ class SpeculativeConfig:
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}.")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
-                   disable_by_batch_size=int_key("disable_by_batch_size", 1, None), adaptive=adaptive)
+                   disable_by_batch_size=int_key("disable_by_batch_size", 1, None), adaptive=adaptive,
+                   step_token_budget=int_key("step_token_budget", 2, 8))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 from tests.test_engine_tiny import VOCAB, _save_tiny  # noqa: E402
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# step_token_budget: every request speculates even in a full batch (mixed with prefills and plain decodes)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+         "step_token_budget": 1024}
 
 
 # ---------------------------------------------------------------------------------------------------- proposer

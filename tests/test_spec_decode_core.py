@@ -19,8 +19,9 @@ from pagedllm.spec_decode import adaptive
 from tests.kv_sim import EOS, KVSimRunner, check_invariants, make_request, pool_whole, run_to_end, true_output
 
 
-def spec_config(k=4, adaptive=False, disable_by_batch_size=None):
-    return SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive, disable_by_batch_size=disable_by_batch_size)
+def spec_config(k=4, adaptive=False, disable_by_batch_size=None, step_token_budget=256):
+    return SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive, disable_by_batch_size=disable_by_batch_size,
+                             step_token_budget=step_token_budget)
 
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True, **spec):
@@ -166,6 +167,29 @@ def test_disable_by_batch_size():
     s.update_from_output(so, ModelRunnerOutput(["a", "b"], [[3], [EOS]], spec_token_ids=[[4], []]))
     so = s.schedule()
     assert so.scheduled_spec_decode_tokens == {"a": [4]}  # b finished: 1 running
+
+
+def test_step_token_budget_shares_drafts_and_steps_aside_under_load():
+    s = make_sched(k=8, step_token_budget=8, max_num_seqs=16, budget=256)
+    assert [s.spec_cap(r) for r in range(0, 7)] == [0, 7, 3, 1, 1, 0, 0]
+    reqs = [req(f"r{i}", 4, base=10 * i) for i in range(6)]
+    for r in reqs[:2]:
+        s.add_request(r)
+    so = s.schedule()
+    s.update_from_output(so, ModelRunnerOutput(["r0", "r1"], [[1], [2]], spec_token_ids=[[5] * 8, [6] * 8]))
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens == {"r0": [5] * 3, "r1": [6] * 3}  # (8 - 2) // 2 each
+    s.update_from_output(so, ModelRunnerOutput(["r0", "r1"], [[7], [8]], spec_token_ids=[[5] * 8, [6] * 8]))
+    for r in reqs[2:]:
+        s.add_request(r)
+    so = s.schedule()  # 2 running when the step starts: the newcomers' prompts don't shrink the drafts yet
+    ids = list(so.num_scheduled_tokens)
+    s.update_from_output(so, ModelRunnerOutput(ids, [[9]] * 6, spec_token_ids=[[5] * 8] * 6))
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens == {}  # 6 running: speculation steps aside
+    assert s.spec_cap(6) == 0
+    s = make_sched(k=2, step_token_budget=8)
+    assert s.spec_cap(1) == 2  # never more than num_speculative_tokens
 
 
 def test_adaptive_draft_length_follows_acceptance_and_probes_again():

@@ -14,7 +14,8 @@ from pagedllm.entrypoints.cli import main as cli_main
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+        "step_token_budget": 64}
 
 
 @pytest.fixture(scope="module")

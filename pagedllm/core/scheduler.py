@@ -123,6 +123,7 @@ class Scheduler:
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
         self.spec_disable_by_batch_size = (sc.disable_by_batch_size if sc is not None else None) or (1 << 62)
         self.spec_adaptive = bool(sc is not None and sc.adaptive)
+        self.spec_step_token_budget = sc.step_token_budget if sc is not None else 0
         self.spec_stats = SpecDecodingStats() if sc is not None else None
         if self.num_spec_tokens and use_pp:
             raise ValueError("speculative decoding can't be combined with pipeline parallelism yet.")
@@ -176,7 +177,7 @@ class Scheduler:
         preempted: set[str] = set()
         scheduled_running: list[Request] = []
         scheduled_spec: dict[str, list[int]] = {}
-        spec_on = self.num_spec_tokens > 0 and len(self.running) <= self.spec_disable_by_batch_size
+        spec_cap = self.spec_cap(len(self.running))
 
         # 1. Running requests, oldest first.
         i = 0
@@ -186,7 +187,7 @@ class Scheduler:
             if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
-            k = self._num_spec_tokens(req, n, budget) if spec_on and req.spec_token_ids else 0
+            k = self._num_spec_tokens(req, n, min(budget, n + spec_cap)) if spec_cap and req.spec_token_ids else 0
             while True:
                 new_blocks = self.kv.allocate_slots(req, n + k)
                 if new_blocks is not None:
@@ -265,6 +266,13 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return out
+
+    def spec_cap(self, num_running: int) -> int:
+        """The most draft tokens a request may verify in a step that starts with ``num_running`` running
+        requests (``SpeculativeConfig.step_token_budget``, ``disable_by_batch_size``; 0 without speculation)."""
+        if not self.num_spec_tokens or num_running > self.spec_disable_by_batch_size or num_running == 0:
+            return 0
+        return min(self.num_spec_tokens, max(0, (self.spec_step_token_budget - num_running) // num_running))
 
     def _num_spec_tokens(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens to verify with a decode of ``req`` (0 while it prefills): its proposal, cut to the budget

@@ -14,13 +14,14 @@ class NgramDrafter:
     def __init__(self, config) -> None:
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
-        # A batch larger than this gets no drafts (the scheduler wouldn't verify them): don't even look.
-        self.disable_by_batch_size = config.disable_by_batch_size or (1 << 62)
+        # From this many requests in a step on the scheduler verifies no drafts (Scheduler.spec_cap): don't look.
+        limit = config.disable_by_batch_size or (1 << 62)
+        self.max_num_reqs = min(limit, max(r for r in range(1, 65) if (config.step_token_budget - r) // r > 0))
 
     def propose(self, states: Sequence, sampled: Sequence[Sequence[int]]) -> list[list[int]]:
         """``states[i]``: a runner request state (``token_ids`` = prompt + output, this step's tokens included);
         ``sampled[i]``: what it sampled this step (no drafts for a request still prefilling)."""
-        if len(states) > self.disable_by_batch_size:
+        if len(states) > self.max_num_reqs:
             return [[] for _ in states]
         propose = self.proposer.propose
         return [propose(st.token_ids) if toks else [] for st, toks in zip(states, sampled)]
