@@ -206,6 +206,7 @@ def _variants(llm, spec):
     }
 
 
+@pytest.mark.slow
 def test_greedy_identical_with_ngram_and_oracle_drafts(tiny_llm):
     kind, llm = tiny_llm
     prompts = _prompts()

@@ -56,6 +56,28 @@ def test_smollm2_greedy_identical_with_ngram(smollm):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+def test_smollm2_stop_strings_cut_accepted_drafts_exactly(smollm):
+    """A stop string completed by a token in the middle of a step's accepted drafts ends the output right there:
+    token ids, text, finish and stop reasons equal those without speculation."""
+    tok = smollm.get_tokenizer()
+    reqs = make_requests("code-edit", tok, 6, output_len=120, seed=2)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    stops = [["return"], ["):"], ["self."], ["\n\n"], ["0"], ["in range"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=120, stop=st) for st in stops]
+
+    def run(llm):
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    ref = run(smollm)
+    assert sum(r[2] == "stop" and r[3] is not None for r in ref) >= 3
+    eng = smollm.with_engine_args(speculative_config=SPEC)
+    assert run(eng) == ref
+    assert eng.llm_engine.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_bench_latency_and_speculative_ab_print_acceptance(capsys, tmp_path):
     cfg = json.dumps(SPEC)
     small = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "64M", "--dtype", "float32"]
