@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 from pagedllm.benchmarks import command_line
@@ -114,6 +115,9 @@ def run_spec_ab(ns: argparse.Namespace) -> dict:
                 engines[name].reset_prefix_cache()
                 res[name] = _run_batch(engines[name], batch, sp, f"{name}-{n}")
                 n += 1
+            print(f"round {rnd} batch {bi}: decode tok/s base {res['base']['decode_tokens_per_second']:.1f} "
+                  f"spec {res['spec']['decode_tokens_per_second']:.1f}, throughput base "
+                  f"{res['base']['throughput']:.1f} spec {res['spec']['throughput']:.1f}", file=sys.stderr, flush=True)
             runs.append({"round": rnd, "batch": bi, "order": order,
                          "identical": res["base"]["outputs"] == res["spec"]["outputs"],
                          **{f"{k}_{name}": res[name][k] for name in res
