@@ -39,7 +39,7 @@ def test_smollm2_greedy_identical_with_ngram(smollm):
         "batched": {},
         "chunked": {"max_num_batched_tokens": 48},
         "preempt": {"num_gpu_blocks_override": layout.blocks_for_one_request(longest, 16, 64) + 4,
-                    "max_num_batched_tokens": 64},
+                    "max_model_len": longest, "max_num_batched_tokens": 64},
     }
     for name, extra in variants.items():
         eng = smollm.with_engine_args(speculative_config=SPEC, **extra)
