@@ -162,6 +162,84 @@ class SpeculativeConfig:
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
                    disable_by_batch_size=int_key("disable_by_batch_size", 1, None), adaptive=adaptive,
                    step_token_budget=int_key("step_token_budget", 2, 8))
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
+# The names pagedllm.entrypoints.openai.reasoning registers (a test keeps the two in step).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config`` (vLLM 0.32's keys) plus ``--reasoning-parser``.
+
+    ``disable_any_whitespace`` defaults to True here (vLLM: False): JSON grammars are compiled without arbitrary
+    whitespace, so a small model can't emit spaces until ``max_tokens`` inside a constrained answer; a request opts
+    into the permissive form with ``structured_outputs.disable_any_whitespace = false``.
+    """
+
+    backend: str = "xgrammar"
+    disable_any_whitespace: bool = True
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: Optional[str] = None
+    max_compile_threads: int = 2  # grammar compilation runs in this many threads, off the engine thread
+
+    @classmethod
+    def parse(cls, value: Any, reasoning_parser: Optional[str] = None) -> "StructuredOutputsConfig":
+        """From a dict, its JSON text or None.
+
+        Raises:
+            ValueError: naming ``structured_outputs_config`` for bad JSON, an unknown key or backend.
+        """
+        import json
+
+        if value is None:
+            value = {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}.")
+        value = dict(value)
+        if value.get("backend") in (None, "auto"):
+            value["backend"] = "xgrammar"
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {sorted(unknown)}; known: {sorted(names)}.")
+        if value["backend"] not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
+                             f"got {value['backend']!r}.")
+        if reasoning_parser is not None:
+            value["reasoning_parser"] = reasoning_parser
+        if value.get("reasoning_parser") not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                             f"{value['reasoning_parser']!r}.")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds every request is checked against once, by ``engine.input_processor.InputProcessor`` (and, for the
+    HTTP body, by the server's body guard). The README's "Request bounds" table lists each with its flag.
+
+    0 / None means "no bound" only where noted."""
+
+    max_n: int = 128  # choices per request (OpenAI's cap)
+    max_num_stop_strings: int = 64
+    max_stop_string_len: int = 1024  # characters, each stop string
+    max_num_stop_token_ids: int = 1024
+    max_num_logit_bias: int = 1024  # logit_bias entries
+    max_num_allowed_token_ids: int = 4096  # also bounds the sampler's per-step mask building
+    max_cache_salt_len: int = 1024  # characters
+    max_num_prompts: int = 1024  # prompts in one completions request (vLLM's cap)
+    max_request_body_bytes: int = 16 << 20  # HTTP body; 413 past it, checked before parsing
+    max_chat_template_chars: int = 1 << 20  # rendered chat prompt, characters
+    # Admission queue (vLLM's names): requests (children of n > 1 count one each) and prompt tokens admitted but
+    # not yet producing output; past either the server answers 429 with Retry-After. 0: unbounded.
+    max_num_queued_reqs: int = 1024
+    max_num_queued_tokens: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -171,12 +249,17 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    limits: InputLimits = field(default_factory=InputLimits)
+    # Which CPU kernels run (ISA level and switches), resolved once at start-up; see pagedllm.kernels.config.
+    kernel: Any = None  # a pagedllm.kernels.KernelConfig (None: resolve from the environment)
 
 
-def resolve_dtype(dtype: str, hf_config: Any = None):
+def resolve_dtype(dtype: str, hf_config: Any = None, cpu_isa: Optional[str] = None):
     """Maps ``auto``/``bfloat16``/``bf16``/``float16``/``float32``/``fp32`` to a torch dtype.
 
-    ``auto`` is bfloat16 on CPUs with native bf16 (AVX-512-BF16/AMX) and on CUDA, float32 otherwise.
+    ``auto`` is bfloat16 on CUDA and at the CPU ISA levels with native bf16 (``amx``, ``avx512_bf16``; ``cpu_isa``,
+    default the detected level), float32 otherwise.
 
     Raises:
         ValueError: naming ``dtype`` for an unknown value.
@@ -197,26 +280,12 @@ def resolve_dtype(dtype: str, hf_config: Any = None):
     if d == "auto":
         if torch.cuda.is_available():
             return torch.bfloat16
-        return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+        from pagedllm.kernels.config import check_level
+
+        return torch.bfloat16 if check_level(cpu_isa) in ("amx", "avx512_bf16") else torch.float32
     if d not in table:
         raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}.")
     return table[d]
-
-
-def cpu_flags() -> set:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (e.g. ``{"avx512_bf16", "amx_tile", ...}``); empty if unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_has_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @dataclass
@@ -251,6 +320,22 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
     speculative_config: Optional[Any] = None  # a dict / JSON string with vLLM's keys (SpeculativeConfig.from_dict)
+    structured_outputs_config: Optional[Any] = None  # dict or JSON text, see StructuredOutputsConfig
+    reasoning_parser: Optional[str] = None  # deepseek_r1 | qwen3: structured outputs start after </think>
+    cpu_isa: Optional[str] = None  # auto (None) | amx | avx512_bf16 | avx2 | none: force a lower kernel ISA level
+    # Request bounds (see InputLimits and the README's "Request bounds" table).
+    max_n: int = InputLimits.max_n
+    max_num_stop_strings: int = InputLimits.max_num_stop_strings
+    max_stop_string_len: int = InputLimits.max_stop_string_len
+    max_num_stop_token_ids: int = InputLimits.max_num_stop_token_ids
+    max_num_logit_bias: int = InputLimits.max_num_logit_bias
+    max_num_allowed_token_ids: int = InputLimits.max_num_allowed_token_ids
+    max_cache_salt_len: int = InputLimits.max_cache_salt_len
+    max_num_prompts: int = InputLimits.max_num_prompts
+    max_request_body_bytes: int = InputLimits.max_request_body_bytes
+    max_chat_template_chars: int = InputLimits.max_chat_template_chars
+    max_num_queued_reqs: int = InputLimits.max_num_queued_reqs
+    max_num_queued_tokens: int = InputLimits.max_num_queued_tokens
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -269,6 +354,11 @@ class EngineArgs:
                      "tensor_parallel_size", "pipeline_parallel_size"):
             pos(name)
         pos("max_in_flight_batches", allow_none=False)
+        for f in dataclasses.fields(InputLimits):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (v == 0 and not f.name.startswith(
+                    "max_num_queued")):
+                raise ValueError(f"{f.name} must be a positive integer, got {v!r}.")
         pos("nnodes", allow_none=False)
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}.")
@@ -303,6 +393,9 @@ class EngineArgs:
         from pagedllm.model_loader.hf_config import load_hf_config, get_architecture
 
         self._verify()
+        from pagedllm.kernels.config import KernelConfig
+
+        kernel = KernelConfig.from_env(self.cpu_isa)  # ValueError for a level above this CPU's
         model = self.model or default_model_path()
         model = os.path.expanduser(model)
         if not os.path.exists(model):
@@ -310,7 +403,7 @@ class EngineArgs:
         is_gguf = model.endswith(".gguf")
         hf_config = load_hf_config(model)
         architecture = get_architecture(hf_config)
-        dtype = resolve_dtype(self.dtype, hf_config)
+        dtype = resolve_dtype(self.dtype, hf_config, kernel.level)
         quant_config = self._quant_config(model, hf_config, architecture)
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 8192
         max_model_len = self.max_model_len or max_pos
@@ -334,7 +427,9 @@ class EngineArgs:
             if self.tensor_parallel_size * self.pipeline_parallel_size > 1 or \
                     self.distributed_executor_backend == "external_launcher":
                 raise ValueError("speculative_config can't be combined with tensor/pipeline parallelism yet.")
+        so_config = StructuredOutputsConfig.parse(self.structured_outputs_config, self.reasoning_parser)
         return EngineConfig(
+            structured_outputs=so_config,
             model=ModelConfig(
                 model=model,
                 tokenizer=self.tokenizer or model,
@@ -373,4 +468,6 @@ class EngineArgs:
                 max_in_flight_batches=self.max_in_flight_batches,
             ),
             speculative=speculative,
+            limits=InputLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(InputLimits)}),
+            kernel=kernel,
         )

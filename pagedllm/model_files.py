@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from pagedllm import envs
+
 __all__ = [
     "cache_dir",
     "default_model_path",
@@ -64,7 +66,7 @@ _resolved: dict[str, str] = {}
 
 def cache_dir() -> Path:
     """Folder for assembled model files: `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`."""
-    env = os.environ.get("PAGEDLLM_CACHE_DIR")
+    env = envs.get("PAGEDLLM_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "pagedllm"
 
 

@@ -20,6 +20,7 @@ import tempfile
 import threading
 from typing import Any, Optional
 
+from pagedllm import envs
 from pagedllm.model_files import cache_dir, read_gguf_metadata
 
 __all__ = [
@@ -83,7 +84,7 @@ def _load_gguf_tokenizer(gguf_path: str, use_disk_cache: Optional[bool] = None):
     from transformers import AutoTokenizer
 
     if use_disk_cache is None:
-        use_disk_cache = os.environ.get("PAGEDLLM_TOKENIZER_CACHE", "1") not in ("0", "false", "False", "")
+        use_disk_cache = envs.flag("PAGEDLLM_TOKENIZER_CACHE")
     folder = _tokenizer_cache_folder(gguf_path) if use_disk_cache else None
     if folder is not None and os.path.isfile(os.path.join(folder, "tokenizer.json")):
         tok = AutoTokenizer.from_pretrained(folder)

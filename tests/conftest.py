@@ -89,7 +89,33 @@ def stop_server(handle: ServerHandle, timeout: float = 30.0) -> int:
 
 @pytest.fixture(scope="session")
 def pagedllm_server(tmp_path_factory):
-    handle = start_server(str(tmp_path_factory.mktemp("server") / "serve.log"))
+    # The shared server keeps the flag-gated features on that its tests use (/reset_prefix_cache, cached_tokens).
+    handle = start_server(str(tmp_path_factory.mktemp("server") / "serve.log"), "--server-dev-mode",
+                          "--enable-prompt-tokens-details")
     yield handle
     rc = stop_server(handle)
     assert rc == 0, f"pagedllm serve exited with {rc} on SIGTERM:\n{handle.log_tail()}"
+
+
+def require_native(lib) -> None:
+    """A kernel test's guard: at ISA level ``none`` (pure torch) the C library is absent by design: skip; at any other
+    level its absence is a failed build: fail."""
+    import pytest
+
+    from pagedllm import kernels
+
+    if lib is None:
+        if not kernels.config().native:
+            pytest.skip(f"no C kernels at ISA level {kernels.config().level!r}")
+        pytest.fail("the CPU kernels failed to build (is gcc installed?)")
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_config():
+    """An engine started in a test makes its KernelConfig the process's (``kernels.set_config``); the next test
+    starts from the configuration before it."""
+    from pagedllm import kernels
+
+    prev = kernels.config()
+    yield
+    kernels.set_config(prev)

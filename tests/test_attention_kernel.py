@@ -1,12 +1,15 @@
 """The C paged-decode kernel equals a brute-force reference (float64 softmax attention over the gathered context),
 and the torch fallback path of ``Attention`` equals the kernel path."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention import cpu_kernels
+from conftest import require_native
 from pagedllm.attention.torch_attn import Attention, build_attention_metadata
 
 
@@ -37,8 +40,7 @@ def reference(q, k_cache, v_cache, block_tables, seq_lens, rows, scale, window):
 @pytest.mark.parametrize("D", [32, 64, 128, 40])  # 64/128: specialised vector paths; 40: scalar fallback
 @pytest.mark.parametrize("n", [5, 1])  # 5 requests: one task per request; 1: one task per KV head
 def test_kernel_matches_reference(dtype, tol, window, D, n):
-    if cpu_kernels.get_lib() is None:
-        pytest.fail("the CPU kernel failed to build (is gcc installed?)")
+    require_native(cpu_kernels.get_lib())
     torch.manual_seed(0)
     H, KVH, BS, NB = 6, 2, 4, 64
     k_cache = torch.randn(NB, BS, KVH, D).to(dtype)
@@ -85,9 +87,9 @@ def test_torch_fallback_equals_kernel(monkeypatch):
 
 
 def _amx_attention_ready() -> bool:
-    from pagedllm.utils.amx import amx_lib
+    from pagedllm import kernels
 
-    return amx_lib() is not None
+    return kernels.lib("amx") is not None
 
 
 def prefill_reference(q, k_cache, v_cache, bt_row, cached, q_len, scale, window):
@@ -158,7 +160,7 @@ def test_amx_prefill_attention_matches_float64(H, KVH, D, window):
 
 
 def test_amx_prefill_attention_declines_unsupported_shapes(monkeypatch):
-    """Shapes the kernel doesn't cover (float32, head_dim 16 or 256, block_size 8) and PAGEDLLM_AMX_ATTENTION=0
+    """Shapes the kernel doesn't cover (float32, head_dim 16 or 256, block_size 8) and ``amx_attention`` off
     return False without touching ``out``, so ``Attention`` takes torch's SDPA path."""
     from pagedllm.attention.torch_attn import PrefillBatch
 
@@ -171,10 +173,10 @@ def test_amx_prefill_attention_declines_unsupported_shapes(monkeypatch):
         out = torch.zeros_like(q)
         assert not cpu_kernels.prefill_attention(q, cache[0], cache[1], batch, out, 1.0, None)
         assert (out == 0).all()
-    monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", "0")
     q = torch.randn(4, 2, 64).bfloat16()
     cache = torch.randn(2, 2, 16, 1, 64).bfloat16()
-    assert not cpu_kernels.prefill_attention(q, cache[0], cache[1], batch, torch.zeros_like(q), 1.0, None)
+    with kernels.use(dataclasses.replace(kernels.config(), amx_attention=False)):
+        assert not cpu_kernels.prefill_attention(q, cache[0], cache[1], batch, torch.zeros_like(q), 1.0, None)
 
 
 @pytest.mark.parametrize("amx", ["1", "0"])
@@ -182,11 +184,15 @@ def test_amx_prefill_attention_declines_unsupported_shapes(monkeypatch):
 @pytest.mark.parametrize("window", [None, 21])
 def test_decode_kernel_block16_matches_reference(amx, H, KVH, D, window, monkeypatch):
     """block_size 16 (whole 16-token tiles inside a block): the score pass runs on AMX tiles where they are
-    available (PAGEDLLM_AMX_ATTENTION=1) and on vdpbf16ps otherwise; both against float64. Cache rows past each
+    available (``amx_attention`` on) and on vdpbf16ps otherwise; both against float64. Cache rows past each
     context in its last block hold NaN, which the tile loads read and must mask out."""
-    if cpu_kernels.get_lib() is None:
-        pytest.fail("the CPU kernel failed to build (is gcc installed?)")
-    monkeypatch.setenv("PAGEDLLM_AMX_ATTENTION", amx)
+    require_native(cpu_kernels.get_lib())
+    cfg = dataclasses.replace(kernels.config(), amx_attention=amx == "1")
+    with kernels.use(cfg):
+        _decode_block16_case(H, KVH, D, window)
+
+
+def _decode_block16_case(H, KVH, D, window):
     torch.manual_seed(0)
     BS, NB = 16, 160
     k_cache = torch.randn(NB, BS, KVH, D).bfloat16()

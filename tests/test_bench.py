@@ -273,6 +273,22 @@ def test_floor_shapes_and_one_step():
     assert all(r["step_ms_median"] > 0 and r["tokens_per_second"] > 0 for r in rows)
 
 
+def test_floor_limits_and_roofline():
+    """The measured limits are positive and the roofline is the larger of its two bounds: the weight bytes at the
+    bandwidth (batch 1: memory-bound) or the FLOPs at the GEMM peak (a huge batch: compute-bound)."""
+    from pagedllm.benchmarks.floor import measure_limits, model_shapes, roofline
+
+    lim = measure_limits(buffer_bytes=32 << 20, gemm_sizes=[(256, 256, 256)], reps=2)
+    assert lim["gemm_peak_gflops"] > 0 and lim["mem_read_gb_per_s"] > 0
+    s = model_shapes()
+    rows = [{"batch_size": 1, "weight_bytes": 270e6, "step_ms_median": 20.0},
+            {"batch_size": 100000, "weight_bytes": 270e6, "step_ms_median": 20.0}]
+    roofline(rows, s, {"gemm_peak_gflops": 300.0, "mem_read_gb_per_s": 45.0})
+    assert rows[0]["roofline_bound"] == "memory" and abs(rows[0]["roofline_ms"] - 270e6 / 45e9 * 1e3) < 1e-9
+    assert rows[1]["roofline_bound"] == "compute" and rows[1]["roofline_ms"] > rows[0]["roofline_ms"]
+    assert rows[0]["matmul_vs_roofline"] == 20.0 / rows[0]["roofline_ms"]
+
+
 # ------------------------------------------------------------------------------------------------ compare
 def _level(out: float, ttft: float, itl: float, tpot: float) -> dict:
     lv = {f"{s}_{m}_ms": 1.0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el")}

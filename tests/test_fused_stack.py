@@ -1,13 +1,33 @@
 """The fused C layer loop (pagedllm/models/fused_stack.py) against the model's Python layer loop: the same kernels in
-the same order, so greedy tokens and their logprobs must be equal exactly, on decode-only and mixed steps."""
+the same order, so greedy tokens and their logprobs must be equal exactly, on decode-only and mixed steps; with the
+linears on the AMX kernel, and on the dpbf16 kernel with every AMX kernel off (as on a CPU without AMX)."""
 
 import pytest
 import torch
 
-from pagedllm.layers.packed_linear import amx_linear_supported
+from pagedllm import kernels
+from pagedllm.layers.quantization import cpu_kernels
 from pagedllm.models.fused_stack import FusedStack
 
-pytestmark = pytest.mark.skipif(not amx_linear_supported(), reason="the fused loop needs the AMX linear kernel")
+
+def _backend_at(level: str):
+    """The packed bf16 linear backend layers get at ``level`` (None: oneDNN, or the level isn't this CPU's)."""
+    import dataclasses
+
+    from pagedllm.layers.packed_linear import linear_backend
+
+    if level not in kernels.supported_levels():
+        return None
+    with kernels.use(dataclasses.replace(kernels.config(), level=level)):
+        found = linear_backend(64, 64)
+    return found[0].name if found else None
+
+
+# The bf16 fused loop runs on a packed bf16 linear kernel: AMX at level amx, dpbf16 at avx512_bf16 (as on Zen 4)
+# and at avx2 (its AVX2 build; batch invariant by default). Each level the CPU runs is tested (cpu_isa per engine).
+_BACKENDS = [pytest.param(b, lv, id=f"{b}-{lv}", marks=pytest.mark.skipif(
+    _backend_at(lv) != b, reason=f"no {b} kernel at level {lv} on this CPU"))
+    for b, lv in (("amx", "amx"), ("dpbf16", "avx512_bf16"), ("dpbf16", "avx2"))]
 
 
 def _tokens_and_logprobs(out) -> tuple:
@@ -15,12 +35,16 @@ def _tokens_and_logprobs(out) -> tuple:
     return c.token_ids, [{k: v.logprob for k, v in d.items()} for d in c.logprobs]
 
 
+@pytest.mark.parametrize("backend,level", _BACKENDS)
 @pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen2-bias"])
-def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatch):
+def test_fused_stack_equals_python_layer_loop(name, backend, level, tmp_path_factory, monkeypatch):
     """llama-tied-bias: biases everywhere, head_dim 16 (prefill steps take the Python loop, decode steps the fused
-    one); mistral-sliding: head_dim 32 and a 5-token window (prefill and mixed steps fused too); qwen2-bias: q/k/v
-    bias. A 16-token budget chunks the prompts, so steps mix prefill chunks with decodes."""
+    one); mistral-sliding: head_dim 32 and a 5-token window (prefill and mixed steps fused too on AMX; without AMX
+    only decode-only steps); qwen2-bias: q/k/v bias. A 16-token budget chunks the prompts, so steps mix prefill
+    chunks with decodes."""
     from test_models import _load_pair
+
+    from pagedllm.layers import packed_linear
 
     from pagedllm import LLM, SamplingParams
 
@@ -31,7 +55,7 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
     prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in (5, 23, 40)]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
-              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False)
+              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False, cpu_isa=level)
     calls = {"fused": 0, "prefill": 0}
     orig = FusedStack.forward
 
@@ -43,16 +67,21 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
         return out
 
     monkeypatch.setattr(FusedStack, "forward", counting)
+    # level avx512_bf16: no AMX kernel at all (linears, prefill and decode attention), as on AMD Zen 4
     results = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
         llm = LLM(folder, **kw)
+        model = llm.llm_engine.engine_core.runner.model
+        assert {m.backend for m in model.modules() if isinstance(m, packed_linear.PackedLinear)} == {backend}
         outs = llm.generate(prompts, sp, use_tqdm=False)
         results[fused] = [_tokens_and_logprobs(o) for o in outs]
         if fused == "1":
             assert calls["fused"] > 0
-            if name == "mistral-sliding":  # head_dim 32: the AMX prefill kernel runs, so prefill steps fuse too
+            if name == "mistral-sliding" and backend == "amx":  # head_dim 32: the AMX prefill kernel, fused too
                 assert calls["prefill"] > 0
+            if backend == "dpbf16":  # prefill attention in the fused loop is AMX only
+                assert calls["prefill"] == 0
             fused_calls = dict(calls)
     assert calls == fused_calls  # PAGEDLLM_FUSED_STACK=0: no fused call
     assert all(len(r[0]) == 8 for r in results["1"])
@@ -60,10 +89,13 @@ def test_fused_stack_equals_python_layer_loop(name, tmp_path_factory, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not cpu_kernels.int4_gemv_supported(), reason="no int4 GEMV (AVX512-VNNI/VBMI/BF16) here")
 def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
-    """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop):
-    steps of up to 8 tokens (decode, a short prompt's prefill) take the fused loop, larger prefill steps the Python one;
-    greedy tokens and logprobs equal."""
+    """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop).
+    Batch invariant (the default): decode-only steps fuse (the GEMV is the decode rows' kernel), steps with prefill
+    rows take the Python loop (prefill rows on the C tile kernel); with PAGEDLLM_BATCH_INVARIANT=0, steps of up to 8
+    tokens fuse and larger ones take the Python loop (its per-size int4 paths). Greedy tokens and logprobs equal
+    fused vs not, in both modes."""
     from pagedllm import LLM, SamplingParams
 
     calls = []
@@ -71,17 +103,20 @@ def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
     monkeypatch.setattr(FusedStack, "forward", lambda self, *a: calls.append(orig(self, *a)) or calls[-1])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    results = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
-        llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
-        kinds = {m.kind for m in llm.llm_engine.engine_core.runner.model.quant_modules.values()}
-        assert "int4" in kinds
-        # both prompts in one prefill step (13 tokens: the Python loop), then one alone (6 tokens: fused prefill)
-        outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
-        results[fused] = [_tokens_and_logprobs(o) for o in outs]
-        if fused == "1":
-            assert any(c is not None for c in calls) and any(c is None for c in calls)
-            n_calls = len(calls)
-    assert len(calls) == n_calls
-    assert results["1"] == results["0"]
+    for invariant in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", invariant)
+        results = {}
+        for fused in ("1", "0"):
+            monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+            calls.clear()
+            llm = LLM(dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+            kinds = {m.kind for m in llm.llm_engine.engine_core.runner.model.quant_modules.values()}
+            assert "int4" in kinds
+            # both prompts in one prefill step (13 tokens), then one alone (6 tokens)
+            outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+            results[fused] = [_tokens_and_logprobs(o) for o in outs]
+            if fused == "1":  # decode steps fused; the 13-token prefill step (and, batch invariant, every
+                assert any(c is not None for c in calls) and any(c is None for c in calls)  # prefill) not
+            else:
+                assert not calls
+        assert results["1"] == results["0"], invariant

@@ -1,12 +1,18 @@
 """``zeros_in_hugepages``: zeroed, separate, writable tensors in one mapping advised for transparent huge pages."""
 
+import dataclasses
 import gc
 import mmap
 
 import pytest
 import torch
 
+from pagedllm import kernels
 from pagedllm.utils.hugepages import HUGE_PAGE, zeros_in_hugepages
+
+
+def _hugepages(on: bool):
+    return kernels.use(dataclasses.replace(kernels.config(), hugepages=on))
 
 
 def _vm_flags(addr: int) -> list[str]:
@@ -24,10 +30,10 @@ def _vm_flags(addr: int) -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
-def test_zeros_in_hugepages_are_separate_zeroed_and_advised(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_HUGEPAGES", "1")
+def test_zeros_in_hugepages_are_separate_zeroed_and_advised():
     shapes = [(3, 1000, 7), (5,), (2, HUGE_PAGE // 2)]
-    ts = zeros_in_hugepages(shapes, torch.bfloat16)
+    with _hugepages(True):
+        ts = zeros_in_hugepages(shapes, torch.bfloat16)
     assert [tuple(t.shape) for t in ts] == shapes and all(t.dtype == torch.bfloat16 for t in ts)
     assert all(bool((t == 0).all()) for t in ts)
     assert all(t.data_ptr() % 4096 == 0 for t in ts)
@@ -40,17 +46,18 @@ def test_zeros_in_hugepages_are_separate_zeroed_and_advised(monkeypatch):
     del ts
     gc.collect()
     assert bool((keep == 2).all())  # the mapping lives as long as any of its tensors
-    monkeypatch.setenv("PAGEDLLM_HUGEPAGES", "0")
-    (plain,) = zeros_in_hugepages([(HUGE_PAGE,)], torch.float32)
+    with _hugepages(False):
+        (plain,) = zeros_in_hugepages([(HUGE_PAGE,)], torch.float32)
     assert "hg" not in _vm_flags(plain.data_ptr()) and bool((plain == 0).all())
 
 
-def test_engine_kv_caches_share_one_advised_mapping(monkeypatch):
-    """With PAGEDLLM_HUGEPAGES=1 the KV caches of all layers come from one huge-page-advised mapping."""
-    monkeypatch.setenv("PAGEDLLM_HUGEPAGES", "1")
+def test_engine_kv_caches_share_one_advised_mapping():
+    """With ``hugepages`` on (PAGEDLLM_HUGEPAGES=1) the KV caches of all layers come from one huge-page-advised
+    mapping."""
     from pagedllm.worker.model_runner import allocate_kv_caches
 
-    caches = allocate_kv_caches([(2, 64)] * 3, 256, 16, torch.bfloat16)
+    with _hugepages(True):
+        caches = allocate_kv_caches([(2, 64)] * 3, 256, 16, torch.bfloat16)
     assert len({c.untyped_storage().data_ptr() for c in caches}) == 1  # one mapping
     assert all(c.shape == (2, 256, 16, 2, 64) and bool((c == 0).all()) for c in caches)
     if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -19,6 +19,7 @@ output are rounded to bf16).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -31,11 +32,13 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from pagedllm import kernels
 from pagedllm.config import EngineArgs
 from pagedllm.layers.quantization import QuantConfig, QuantLinear, resolve_quant_config
 from pagedllm.layers.quantization.awq import AWQ_ORDER
 from pagedllm.layers.quantization.gguf import GGUFWeight
-from pagedllm.layers.quantization.kernels import DENSE_FALLBACK_MIN_TOKENS, INT4_GEMM_MIN_TOKENS, INT8_GEMM_MIN_TOKENS
+from pagedllm.layers.quantization.kernels import (DENSE_FALLBACK_MIN_TOKENS, INT4_GEMM_MIN_TOKENS, INT8_GEMM_MIN_TOKENS,
+                                                  Int8Rows)
 from pagedllm.model_loader import load_model
 from test_loader import VOCAB, _greedy, _model_config, _randomize_norms, _tiny_llama_cfg, _write_gguf
 
@@ -44,17 +47,23 @@ BF16_REL = 0.01
 
 
 def _check(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
-    """Forward on each path (aten ops, C batched kernels, expand + dense) vs ``x @ ref_w.T`` (float32)."""
+    """Forward on each path vs ``x @ ref_w.T`` (float32): batch invariant (one kernel for every row count), and with
+    that off the per-size paths (aten ops, C batched kernels, expand + dense); the float32 logits too."""
     torch.manual_seed(1)
-    for t in (1, INT4_GEMM_MIN_TOKENS - 1, INT4_GEMM_MIN_TOKENS + 7, INT8_GEMM_MIN_TOKENS + 5,
-              DENSE_FALLBACK_MIN_TOKENS + 3):
-        x = torch.randn(t, k, dtype=layer.dtype)
-        got = layer(x).float()
-        ref = x.float() @ ref_w.t()
-        if layer.dtype == torch.float32:
-            torch.testing.assert_close(got, ref, **F32_TOL)
-        else:
-            assert (got - ref).norm() / ref.norm() < BF16_REL
+    for invariant in (True, False):
+        with kernels.use(dataclasses.replace(kernels.config(), batch_invariant=invariant)):
+            for t in (1, INT4_GEMM_MIN_TOKENS - 1, INT4_GEMM_MIN_TOKENS + 7, INT8_GEMM_MIN_TOKENS + 5,
+                      DENSE_FALLBACK_MIN_TOKENS + 3):
+                x = torch.randn(t, k, dtype=layer.dtype)
+                got = layer(x).float()
+                ref = x.float() @ ref_w.t()
+                if layer.dtype == torch.float32:
+                    torch.testing.assert_close(got, ref, **F32_TOL)
+                else:
+                    assert (got - ref).norm() / ref.norm() < BF16_REL
+                logits = layer.logits(x)
+                assert logits.dtype == torch.float32
+                assert (logits - ref).norm() / ref.norm() < (1e-5 if layer.dtype == torch.float32 else BF16_REL)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -76,19 +85,50 @@ def _gguf_weight(qtype, n: int, k: int, seed: int = 0) -> GGUFWeight:
     return GGUFWeight(qtype, (n, k), torch.from_numpy(blocks.copy()))
 
 
+def _no_kquant_kernels(monkeypatch) -> None:
+    """As without a C compiler (or ``PAGEDLLM_CPU_KERNELS=0``): GGUF types fall back to the requantizations."""
+    from pagedllm.layers.quantization import kquant
+
+    monkeypatch.setattr(kquant, "get_lib", lambda: None)
+
+
+def _check_kquant(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
+    """Forward at several batch sizes vs ``x @ ref_w.T`` within the kquant bound (tests/test_kquant.py derives it:
+    15-bit activations per block of 32, then float32 sums; plus one rounding of a bf16 output)."""
+    torch.manual_seed(1)
+    for t in (1, 3, 9, 37):
+        x = torch.randn(t, k, dtype=layer.dtype)
+        got = layer(x).double()
+        xd, wd = x.double(), ref_w.double()
+        ref = xd @ wd.t()
+        xs = xd.abs().view(t, -1, 32).amax(-1).repeat_interleave(32, 1) / 16256
+        bound = 0.504 * xs @ wd.abs().t() + 2.0**-18 * (xd.abs() @ wd.abs().t())
+        if layer.dtype == torch.bfloat16:
+            bound += ref.abs() * 2.0**-8
+        assert ((got - ref).abs() <= bound).all(), t
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qtype,n,k,kind", [
-    (Q.Q4_0, 64, 96, "int4"), (Q.Q4_1, 37, 160, "int4"), (Q.Q4_1, 192, 576, "int4"),
-    (Q.Q8_0, 100, 96, "int8"), (Q.Q5_0, 48, 64, "int8"), (Q.Q4_K, 40, 256, "int4"), (Q.Q6_K, 16, 256, "int8"),
+@pytest.mark.parametrize("kernels", [True, False], ids=["kquant", "no_kquant_kernels"])
+@pytest.mark.parametrize("qtype,n,k,kind,fallback", [
+    (Q.Q4_0, 64, 96, "int4", "int4"), (Q.Q4_1, 37, 160, "int4", "int4"), (Q.Q4_1, 192, 576, "int4", "int4"),
+    (Q.Q8_0, 100, 96, "kquant", "int8"), (Q.Q5_0, 48, 64, "kquant", "int8"), (Q.Q4_K, 40, 256, "kquant", "int4"),
+    (Q.Q6_K, 16, 256, "kquant", "int8"),
 ])
-def test_gguf_linear_equals_dequantized(qtype, n, k, kind, dtype):
+def test_gguf_linear_equals_dequantized(qtype, n, k, kind, fallback, kernels, dtype, monkeypatch):
+    if not kernels:
+        _no_kquant_kernels(monkeypatch)
+        kind = fallback
     w = _gguf_weight(qtype, n, k)
     layer = QuantLinear(k, n, False, dtype, QuantConfig("gguf"))
     layer.load_shard(0, "weight", w)
     layer.process_weights_after_loading()
     assert layer.kind == kind
     gguf_ref = torch.from_numpy(dequantize(w.data.numpy(), qtype)).reshape(n, k).float()
-    if qtype in (Q.Q4_0, Q.Q4_1):  # exact layouts: the layer holds the GGUF values (scale/zero in the act dtype)
+    if kind == "kquant":  # kept as stored: exactly the file's values
+        assert torch.equal(layer.dequantized_weight(), gguf_ref)
+        _check_kquant(layer, gguf_ref, k)
+    elif qtype in (Q.Q4_0, Q.Q4_1):  # exact layouts: the layer holds the GGUF values (scale/zero in the act dtype)
         if dtype == torch.float32:
             torch.testing.assert_close(layer.dequantized_weight(), gguf_ref, atol=1e-6, rtol=1e-6)
         _check(layer, gguf_ref, k)
@@ -140,39 +180,75 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
         assert got.shape == (m, n)
         assert ((got - ref).abs() <= ref.abs() * 2.0**-8 + slack + 1e-30).all(), m
     assert calls == [1, 2, 3, 5, K.INT4_GEMV_MAX_TOKENS]
-    x = torch.randn(K.INT4_GEMV_MAX_TOKENS + 1, k).bfloat16()  # more rows: the C gemm, not this kernel
+    x = torch.randn(K.INT4_GEMV_MAX_TOKENS + 1, k).bfloat16()  # more rows: still this kernel (batch invariant) ...
     K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], kg, n)
-    assert len(calls) == 5
+    assert len(calls) == 6
+    with kernels.use(dataclasses.replace(kernels.config(), batch_invariant=False)):  # ... else the C gemm
+        K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], kg, n)
+    assert len(calls) == 6
 
 
-def test_int4_library_loads_without_vnni(tmp_path):
-    """On a CPU without AVX512-VNNI the VNNI kernels are not compiled in: the library still declares and serves the
-    other kernels, and reports the decode kernel as unsupported."""
-    import ctypes
-    import shutil
-    import subprocess
-
+def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
+    """Batch invariant: in a step marked by ``step_rows``, decode rows run on the integer-dot kernel and prefill rows
+    on the C tile kernel, so each row's bits are those it gets alone (a 1-token decode step, or its prompt alone)."""
     from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
 
-    if shutil.which("gcc") is None:
-        pytest.skip("no C compiler")
-    so = str(tmp_path / "int4_novnni.so")
-    subprocess.run(["gcc", "-O1", "-march=native", "-mno-avx512vnni", "-fopenmp", "-shared", "-fPIC",
-                    cpu_kernels._SRC, "-o", so, "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(so)
-    cpu_kernels._declare(lib)
-    assert lib.int4_gemv_bf16_supported() == 0
-    assert not hasattr(lib, "int4_gemv_bf16") or lib.int4_gemv_bf16.argtypes is None
-    assert lib.int4_gemm.argtypes is not None
+    if not cpu_kernels.int4_gemv_supported():
+        pytest.skip("no integer-dot kernel at this level: int4_gemm takes every row")
+    torch.manual_seed(0)
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(200, 256), 32), torch.bfloat16)
+    mm = lambda x: K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], 32, 200)  # noqa: E731
+    query_lens = [1, 5, 1, 3, 1]
+    x = torch.randn(sum(query_lens), 256).bfloat16()
+    with K.step_rows(query_lens):
+        y = mm(x)
+    starts = [0, 1, 6, 7, 10]
+    for s0, q in zip(starts, query_lens):
+        with K.step_rows([q]):
+            alone = mm(x[s0:s0 + q].contiguous())
+        assert torch.equal(y[s0:s0 + q], alone), (s0, q)
+    with K.step_rows([1] * 11):
+        assert torch.equal(mm(x)[0], y[0])  # a decode row among 10 others
+
+
+def test_int4_library_without_vnni_serves_the_other_kernels():
+    """The library built for level avx2 (x86-64-v3: no AVX-512, so no VNNI kernels compiled in) reports the decode
+    kernel as unsupported, leaves it unbound, and its int4 gemm and scalar int8 logits equal the AVX-512 build's
+    (the same float32 sums in the same order per output)."""
+    if "avx2" not in kernels.supported_levels():
+        pytest.skip("CPU below x86-64-v3")
+    lib2 = kernels.load("int4", "avx2")
+    assert lib2 is not None and lib2.int4_gemv_bf16_supported() == 0
+    assert not hasattr(lib2, "int4_gemv_bf16") and not hasattr(lib2, "int8_logits_vnni")
+    from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
+
+    torch.manual_seed(0)
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(100, 256), 32), torch.bfloat16)
+    x = torch.randn(5, 256).bfloat16()
+    w = K.PackedInt4.expand(pk["packed"], pk["scales_and_zeros"], 32, torch.float32)[:100].double()
+    with kernels.use(dataclasses.replace(kernels.config(), level="avx2")):
+        got = cpu_kernels.int4_gemm(x, pk["packed"], pk["scales_and_zeros"], 32, 100)
+        q8 = Int8Rows.quantize(torch.randn(70, 256))
+        logits = cpu_kernels.get_lib().int8_logits  # the scalar build of the AVX-512 kernel
+        out = torch.empty(5, 70)
+        logits(x.data_ptr(), 5, 256, q8.q.data_ptr(), q8.scale.data_ptr(), 70, out.data_ptr(), 1)
+    torch.testing.assert_close(got.double(), x.double() @ w.t(), atol=2e-2, rtol=1e-2)
+    ref = (x.double() @ q8.q.double().t()) * q8.scale.double()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [96, 128])  # 128: the integer-dot decode kernel where the CPU has AVX512-VNNI
-def test_int8_embedding_logits_equal_dequantized(dtype, k):
-    """The tied int8 LM head: float32 logits on the decode kernels (<= INT8_LOGITS_MAX_TOKENS rows) and on the
-    batched path, vs x @ dequant(W).T in float64; the lookup returns the dequantized rows."""
+def test_int8_embedding_logits_equal_dequantized(dtype, k, monkeypatch):
+    """The tied int8 LM head (a Q8_0 table without the kquant kernels): float32 logits on the decode kernels
+    (<= INT8_LOGITS_MAX_TOKENS rows) and on the batched path, vs x @ dequant(W).T in float64; the lookup returns
+    the dequantized rows."""
     from pagedllm.layers.quantization import QuantEmbedding
     from pagedllm.layers.quantization.kernels import INT8_LOGITS_MAX_TOKENS
+
+    _no_kquant_kernels(monkeypatch)
 
     n = 1000
     emb = QuantEmbedding(n, k, dtype, QuantConfig("gguf"))
@@ -451,8 +527,9 @@ def test_tiny_llama_gguf_requantized_types_greedy_equals_their_dequantized_weigh
     _write_gguf(path, "llama", cfg, {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
     quant = _load(path, None)
     kinds = {n.rsplit(".", 1)[-1]: m.kind for n, m in quant.quant_modules.items()}
-    assert kinds == {"embed_tokens": "int8", "qkv_proj": "int8", "o_proj": "int8", "gate_up_proj": "int8",
-                     "down_proj": "int4"}, kinds  # q/k Q4_1 next to v Q5_0: the fused layer goes int8
+    # Q8_0 kept as stored; q/k Q4_1 next to v Q5_0: the fused layer goes int8; Q5_1 has no kernel
+    assert kinds == {"embed_tokens": "kquant", "qkv_proj": "int8", "o_proj": "int8", "gate_up_proj": "kquant",
+                     "down_proj": "int4"}, kinds
     _assert_same_greedy(quant, _dense_twin(quant, _load(path, "none")), PROMPTS)
 
 
@@ -525,7 +602,7 @@ def test_smollm2_quantized_bf16_chat_answers_like_dense():
     sp = SamplingParams(temperature=0, max_tokens=12)
     kw = dict(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=256)
     quant = LLM(quantization="gguf", **kw)
-    assert quant.llm_engine.engine_core.runner.model.lm_head.scale.dtype == torch.float32
+    assert quant.llm_engine.engine_core.runner.model.lm_head.kind == "kquant"  # the Q8_0 table as stored
     got = quant.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
     want = LLM(quantization="none", **kw).chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
     assert "Paris" in want and got == want

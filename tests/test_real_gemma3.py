@@ -44,8 +44,10 @@ LONG_TEXT = (
 @pytest.fixture(scope="module")
 def gemma():
     t0 = time.perf_counter()
+    # dense (the file dequantized): HF's reference is built from these weights; the kept-as-stored default
+    # (quantization auto) is checked against this same dequantized model in test_kquant.py
     llm = LLM(gemma3_270m_path(), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024,
-              block_size=BLOCK_SIZE)
+              block_size=BLOCK_SIZE, quantization="none")
     load_s = time.perf_counter() - t0
     model = llm.llm_engine.engine_core.runner.model
     hf = hf_reference(model)

@@ -1,70 +1,33 @@
-"""Builds (once, with the system C compiler) and loads pagedllm's CPU kernels, and wraps them for torch tensors.
+"""Torch-tensor wrappers of pagedllm's CPU kernels (``pagedllm/kernels/csrc``), each with a torch fallback.
 
 Kernels (C + OpenMP, AVX-512 where the CPU has it, scalar C otherwise):
-- ``paged_decode`` (``csrc/paged_decode.c``): decode attention straight from the paged KV cache (its score pass on
+- ``paged_decode`` (``kernels/csrc/paged_decode.c``): decode attention straight from the paged KV cache (its score pass on
   AMX tiles where the AMX library runs);
-- ``prefill_attention``: prefill attention on AMX tiles (``csrc/amx_attention.c``, built with the AMX linear kernel
-  by ``pagedllm.utils.amx``);
-- ``add_rms_norm``, ``silu_and_mul``, ``rope_and_cache``, ``argmax_rows`` (``csrc/cpu_ops.c``): fused element-wise
+- ``prefill_attention``: prefill attention on AMX tiles (``kernels/csrc/amx_attention.c``, in the ``amx`` library);
+- ``add_rms_norm``, ``silu_and_mul``, ``rope_and_cache``, ``argmax_rows`` (``kernels/csrc/cpu_ops.c``): fused element-wise
   passes that replace 2-8 torch ops each (per-op dispatch and OpenMP overhead dominate at decode batch sizes).
 
-The shared library is built and cached by ``pagedllm.utils.c_build`` (keyed by the sources, compiler flags and
-machine). Set ``PAGEDLLM_CPU_KERNELS=0`` to use the pure-torch paths instead; if the build fails (no compiler), the torch paths
-are used and one warning is logged. Every wrapper returns None/False when it can't run, and the caller falls back.
+The library (``cpu`` in ``pagedllm.kernels.bindings``) is built and loaded by ``pagedllm.kernels`` for the active ISA
+level; with none (level ``none``, ``PAGEDLLM_CPU_KERNELS=0``, no compiler) every wrapper returns None/False and the
+caller takes its torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagedllm.utils.c_build import CLibrary
+from pagedllm import kernels
 
 if TYPE_CHECKING:
     from pagedllm.attention.torch_attn import PrefillBatch
 
-_HDRS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("simd.h", "bf16.h")] + [
-    os.path.join(os.path.dirname(__file__), "..", "layers", "csrc", "amx.h")]  # paged_decode.c's AMX score pass
-_SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f) for f in ("paged_decode.c", "cpu_ops.c")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5 + [
-        ctypes.c_float, ctypes.c_int, ctypes.c_int64]
-    for name in ("paged_decode_bf16", "paged_decode_f32"):
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
-    lib.paged_decode_use_amx.argtypes, lib.paged_decode_use_amx.restype = [ctypes.c_int], None
-    for name in ("add_rms_norm_bf16", "add_rms_norm_f32"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
-        fn.restype = None
-    for name in ("rope_cache_bf16", "rope_cache_f32"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
-            ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        fn.restype = None
-    for name in ("argmax_rows_f32", "argmax_rows_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int64]
-        fn.restype = None
-    for name in ("silu_mul_bf16", "silu_mul_f32"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int64]
-        fn.restype = None
-
-
-_LIB = CLibrary("pagedllm_cpu", _SRCS, _FLAGS, _declare, headers=_HDRS)
-
 
 def get_lib() -> Optional[ctypes.CDLL]:
-    """The kernels' library (built on first use), or None: disabled, or no compiler."""
-    return _LIB.get()
+    """The kernels' library for the active level, or None: level ``none``, disabled, or no compiler."""
+    return kernels.lib("cpu")
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -99,39 +62,29 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return True
 
 
-_DECODE_AMX: Optional[bool] = None
+_DECODE_AMX: dict[int, bool] = {}  # id(library) -> whether its AMX score pass is on
 
 
 def _sync_decode_amx(lib: ctypes.CDLL) -> None:
-    """Switches the decode kernel's AMX score pass on where the AMX library runs (it holds the process's tile
-    state) and ``PAGEDLLM_AMX_ATTENTION`` isn't ``0``; read on every call, so the switch can be flipped at run time."""
-    global _DECODE_AMX
-    want = os.environ.get("PAGEDLLM_AMX_ATTENTION", "1") != "0" and _amx_lib() is not None
-    if want != _DECODE_AMX:
+    """Switches ``lib``'s decode AMX score pass on where the AMX library runs (it holds the process's tile state) and
+    the active ``KernelConfig`` allows AMX attention; only a library built for level ``amx`` has that pass."""
+    want = kernels.config().amx_attention and _amx_lib() is not None
+    if _DECODE_AMX.get(id(lib)) != want:
         lib.paged_decode_use_amx(int(want))
-        _DECODE_AMX = want
+        _DECODE_AMX[id(lib)] = want
 
 
 def _amx_lib() -> Optional[ctypes.CDLL]:
-    from pagedllm.utils.amx import amx_lib  # the AMX library also asks the OS for the tile state
-
-    return amx_lib()
-
-
-_FUSED: dict = {}
+    return kernels.lib("amx")  # None below level amx; loading it asks the OS for the tile state
 
 
 def _fused_fn(x: torch.Tensor, base: str):
     """The C function ``base_bf16`` / ``base_f32`` for ``x`` (CPU, contiguous), or None (use torch)."""
-    fn = _FUSED.get((base, x.dtype), False)
-    if fn is False:
-        lib = get_lib()
-        name = {torch.bfloat16: "_bf16", torch.float32: "_f32"}.get(x.dtype)
-        fn = getattr(lib, base + name) if lib is not None and name else None
-        _FUSED[(base, x.dtype)] = fn
-    if fn is None or not x.is_cpu or not x.is_contiguous():
+    lib = get_lib()
+    name = {torch.bfloat16: "_bf16", torch.float32: "_f32"}.get(x.dtype)
+    if lib is None or name is None or not x.is_cpu or not x.is_contiguous():
         return None
-    return fn
+    return getattr(lib, base + name)
 
 
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -210,10 +163,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     contiguous; ``k_cache/v_cache [num_blocks, BS, KVH, D]`` bf16 contiguous. ``batch`` (``PrefillBatch``) gives each
     slice's first row, new tokens and context length, and the block tables. Query ``i`` of a slice with ``c`` cached
     tokens sees keys ``j <= c + i`` (and ``c + i - j < window`` with a sliding window). Returns False (doing nothing)
-    where the kernel can't run: no AMX, ``PAGEDLLM_AMX_ATTENTION=0``, not bf16, ``D % 32 != 0`` or ``D > 128``,
+    where the kernel can't run: not level ``amx``, ``amx_attention`` off, not bf16, ``D % 32 != 0`` or ``D > 128``,
     ``BS % 16 != 0``; the caller then uses torch's SDPA.
     """
-    if os.environ.get("PAGEDLLM_AMX_ATTENTION", "1") == "0" or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+    if not kernels.config().amx_attention or q.dtype != torch.bfloat16 or q.device.type != "cpu":
         return False
     H, D = q.shape[1], q.shape[2]
     BS, KVH = k_cache.shape[1], k_cache.shape[2]

@@ -6,6 +6,12 @@ per layer (so the step reads every weight once, as a real step does): per layer 
 projections through ``torch.nn.functional.linear``, then the LM head on the last hidden state of each sequence.
 
     pagedllm bench floor --batch-size 1 32 [--dtype bfloat16] [--json]
+
+It also measures the machine's real limits (``measure_limits``): the GEMM peak (the best of large bf16 matmuls, the
+issue-17 shapes 2048^3 and 2048 x 576 x 1536) and the memory read bandwidth (a sum over a 512 MB buffer), and gives
+each batch's roofline floor from them: ``max(weight bytes / bandwidth, 2 * parameters * batch / peak)``. Our own
+matmul calls are not the limit (at decode sizes they read the weights well under the bandwidth), so the roofline is
+the figure to compare an engine step with.
 """
 
 from __future__ import annotations
@@ -105,6 +111,49 @@ def measure_floor(shapes: dict, batch_sizes: list[int], dtype: str = "bfloat16",
     return out
 
 
+def measure_limits(dtype: str = "bfloat16", buffer_bytes: int = 512 << 20, gemm_sizes=None, reps: int = 5) -> dict:
+    """The machine's limits with the current torch threads: ``gemm_peak_gflops`` (best over ``gemm_sizes``, M x K x N
+    matmuls in ``dtype``) and ``mem_read_gb_per_s`` (best sum over a ``buffer_bytes`` float32 buffer, which reads it
+    once)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    gemm_sizes = gemm_sizes or [(2048, 2048, 2048), (2048, 576, 1536)]
+    best_flops = 0.0
+    with torch.inference_mode():
+        for m, k, n in gemm_sizes:
+            a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
+            torch.mm(a, b)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                best_flops = max(best_flops, 2 * m * k * n / (time.perf_counter() - t0))
+        buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
+        buf.sum()
+        best_bw = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            buf.sum()
+            best_bw = max(best_bw, buf.numel() * 4 / (time.perf_counter() - t0))
+    return {"gemm_peak_gflops": best_flops / 1e9, "mem_read_gb_per_s": best_bw / 1e9,
+            "gemm_sizes": [list(s) for s in gemm_sizes], "buffer_bytes": buffer_bytes,
+            "torch_threads": torch.get_num_threads()}
+
+
+def roofline(rows: list[dict], shapes: dict, limits: dict) -> None:
+    """Adds each row's ``roofline_ms`` (weight bytes at the measured bandwidth, or the matmul FLOPs at the measured
+    peak, whichever is longer) and ``matmul_vs_roofline`` (the timed bare matmuls over it), in place."""
+    h, i_, nh, nkv, hd, L, V = (shapes[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim",
+                                                    "layers", "vocab"))
+    params = L * ((nh + 2 * nkv) * hd * h + h * nh * hd + 2 * i_ * h + h * i_) + V * h
+    for r in rows:
+        mem_ms = r["weight_bytes"] / (limits["mem_read_gb_per_s"] * 1e9) * 1e3
+        flop_ms = 2 * params * r["batch_size"] / (limits["gemm_peak_gflops"] * 1e9) * 1e3
+        r["roofline_ms"] = max(mem_ms, flop_ms)
+        r["roofline_bound"] = "memory" if mem_ms >= flop_ms else "compute"
+        r["matmul_vs_roofline"] = r["step_ms_median"] / r["roofline_ms"]
+
+
 def add_floor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder whose shapes to use (default: bundled).")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 32])
@@ -117,15 +166,20 @@ def add_floor_args(p: argparse.ArgumentParser) -> None:
 def cmd_floor(ns: argparse.Namespace) -> int:
     shapes = model_shapes(ns.model)
     rows = measure_floor(shapes, ns.batch_size, ns.dtype, ns.reps)
-    res = {"shapes": shapes, "floor": rows}
+    limits = measure_limits(ns.dtype)
+    roofline(rows, shapes, limits)
+    res = {"shapes": shapes, "floor": rows, "limits": limits}
     if ns.json:
         print(json.dumps(res))
     else:
         print(f"bare-matmul floor of one decode step ({shapes['layers']} layers, hidden {shapes['hidden']}, "
               f"{rows[0]['weight_bytes'] / 1e6:.0f} MB of {ns.dtype} weights):")
+        print(f"machine limits ({limits['torch_threads']} threads): {ns.dtype} GEMM peak "
+              f"{limits['gemm_peak_gflops']:.0f} GFLOP/s, memory read {limits['mem_read_gb_per_s']:.1f} GB/s")
         for r in rows:
             print(f"  batch {r['batch_size']:>4}: {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f}), "
-                  f"{r['tokens_per_second']:9.1f} tok/s, {r['effective_gb_per_s']:.1f} GB/s of weights")
+                  f"{r['tokens_per_second']:9.1f} tok/s, {r['effective_gb_per_s']:.1f} GB/s of weights; roofline "
+                  f"{r['roofline_ms']:.2f} ms ({r['roofline_bound']}-bound), matmuls {r['matmul_vs_roofline']:.2f}x it")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(res, f, indent=1)

@@ -23,13 +23,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedllm.config import cpu_flags
+from pagedllm import envs
+from pagedllm.kernels.config import cpu_flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def peers_dir() -> str:
-    env = os.environ.get("PAGEDLLM_PEERS_DIR")
+    env = envs.get("PAGEDLLM_PEERS_DIR")
     if env:
         return os.path.abspath(env)
     for cand in (os.path.join(os.getcwd(), ".peers"), os.path.join(REPO_ROOT, ".peers")):
@@ -243,6 +244,9 @@ def machine_info() -> dict:
                     break
         flags = cpu_flags()
         info["isa"] = " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if x in flags)
+        from pagedllm.kernels.config import detect_level
+
+        info["isa_level"] = detect_level()
     except OSError:
         pass
     info["cores"] = os.cpu_count()

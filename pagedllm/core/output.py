@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,6 +53,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each decoding request's last token (they are the last
     # ``len(ids)`` of its ``num_scheduled_tokens``); requests without drafts are absent.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: ``(bitmask int32 [R, ceil(V / 32)], {request id: row})`` of the constrained requests that
+    # sample this step, set by the engine core after schedule() (see pagedllm.structured_output).
+    grammar_bitmask: Optional[Any] = None
 
     @property
     def is_empty(self) -> bool:

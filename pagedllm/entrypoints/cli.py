@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Model name reported by the API and accepted in requests (default: the model path).")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="Weight and activation dtype. auto = bfloat16 on CPUs with AVX-512-BF16/AMX, else float32.")
+    g.add_argument("--cpu-isa", default=None, choices=["auto", "amx", "avx512_bf16", "avx2", "none"],
+                   help="Force a lower ISA level for the CPU kernels (default auto: the best this CPU has; a level "
+                        "above it is an error). Same as $PAGEDLLM_CPU_ISA; see README 'CPU kernels and ISA levels'.")
     g.add_argument("--quantization", "-q", default=None,
                    choices=["auto", "none", "gguf", "gptq", "awq", "int8"],
                    help="Weight quantization. Default auto: as the checkpoint is stored (a GGUF runs quantized; "
@@ -68,10 +71,50 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='Speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (also "disable_by_batch_size", and '
                         '"adaptive": false for a fixed draft length).')
+    g.add_argument("--structured-outputs-config", default=None,
+                   help="Structured outputs, as JSON (vLLM's keys), e.g. '{\"backend\": \"xgrammar\"}'. JSON "
+                        "grammars are compact by default here (\"disable_any_whitespace\": true; false for vLLM's "
+                        "any-whitespace form).")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="Split <think>...</think> into message.reasoning_content; structured outputs apply after it.")
     g.add_argument("--max-in-flight-batches", type=int, default=1,
                    help="Pipeline parallel: micro-batches in flight at once, so stages overlap (e.g. "
                         "--pipeline-parallel-size). 1: one step at a time, the CPU default (a decode step of half "
                         "the batch costs about as much as the whole one here).")
+    add_limit_args(p)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The request bounds (``InputLimits``; the README's "Request bounds" table), with vLLM's names where vLLM has
+    the bound."""
+    from pagedllm.config import InputLimits as L
+
+    g = p.add_argument_group("request bounds (each failure is a 400 naming the field; see the README)")
+    g.add_argument("--max-n", type=int, default=L.max_n, help=f"Most choices (n) per request (default {L.max_n}).")
+    g.add_argument("--max-num-stop-strings", type=int, default=L.max_num_stop_strings,
+                   help=f"Most stop strings per request (default {L.max_num_stop_strings}).")
+    g.add_argument("--max-stop-string-len", type=int, default=L.max_stop_string_len,
+                   help=f"Longest stop string, characters (default {L.max_stop_string_len}).")
+    g.add_argument("--max-num-stop-token-ids", type=int, default=L.max_num_stop_token_ids,
+                   help=f"Most stop_token_ids per request (default {L.max_num_stop_token_ids}).")
+    g.add_argument("--max-num-logit-bias", type=int, default=L.max_num_logit_bias,
+                   help=f"Most logit_bias entries per request (default {L.max_num_logit_bias}).")
+    g.add_argument("--max-num-allowed-token-ids", type=int, default=L.max_num_allowed_token_ids,
+                   help=f"Most allowed_token_ids per request (default {L.max_num_allowed_token_ids}).")
+    g.add_argument("--max-cache-salt-len", type=int, default=L.max_cache_salt_len,
+                   help=f"Longest cache_salt, characters (default {L.max_cache_salt_len}).")
+    g.add_argument("--max-num-prompts", type=int, default=L.max_num_prompts,
+                   help=f"Most prompts in one completions request (default {L.max_num_prompts}, vLLM's cap).")
+    g.add_argument("--max-request-body-bytes", type=_int_bytes, default=L.max_request_body_bytes,
+                   help=f"Largest HTTP request body; 413 past it (default {L.max_request_body_bytes >> 20} MiB).")
+    g.add_argument("--max-chat-template-chars", type=int, default=L.max_chat_template_chars,
+                   help=f"Longest rendered chat prompt, characters (default {L.max_chat_template_chars}).")
+    g.add_argument("--max-num-queued-reqs", type=int, default=L.max_num_queued_reqs,
+                   help=f"Admission queue: most requests admitted but not yet producing output; 429 past it "
+                        f"(default {L.max_num_queued_reqs}; 0: unbounded).")
+    g.add_argument("--max-num-queued-tokens", type=int, default=L.max_num_queued_tokens,
+                   help=f"Admission queue: most prompt tokens waiting; 429 past it (default "
+                        f"{L.max_num_queued_tokens}; 0: unbounded).")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
@@ -163,10 +206,22 @@ def set_openmp_spin(command: str) -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", SERVE_GOMP_SPINCOUNT)
 
 
+def set_cpu_isa(cpu_isa: Optional[str]) -> None:
+    """With ``--cpu-isa`` below the CPU's level, caps torch's oneDNN/ATen at it too (they read their variables when
+    first used, so this runs before torch does any work); the user's own settings win."""
+    if cpu_isa and cpu_isa != "auto":
+        from pagedllm.kernels.config import level_environ
+
+        for k, v in level_environ(cpu_isa).items():
+            if k != "PAGEDLLM_CPU_ISA":
+                os.environ.setdefault(k, v)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     set_openmp_spin(ns.command)
+    set_cpu_isa(getattr(ns, "cpu_isa", None))
     return ns.func(ns) or 0
 
 

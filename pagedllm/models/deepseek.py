@@ -321,7 +321,7 @@ class DeepseekForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts only when it needs float32)."""
+        """[N, hidden] -> [N, vocab] float32 (``lm_head_logits``)."""
         return lm_head_logits(self, hidden_states)
 
     def set_absorb(self, absorb: Optional[bool]) -> None:

@@ -1,4 +1,4 @@
-"""A Llama-family model's decoder layers in one C call per step (``csrc/llama_stack.c``).
+"""A Llama-family model's decoder layers in one C call per step (``kernels/csrc/llama_stack.c``).
 
 Why: a decode step of SmolLM2 calls ~240 C kernels through Python (4 linears, 2 norms, RoPE + cache write and
 attention per layer, each ~10-20 us of dispatch, argument conversion and output allocation). ``stack_forward`` calls
@@ -6,11 +6,13 @@ the same kernels, in the same order, on the same data, through function pointers
 path's bit for bit (``tests/test_fused_stack.py``); only the per-call overhead goes.
 
 It runs where every layer is a fast path: bf16, one process (no tensor/pipeline parallelism), every linear either a
-``PackedLinear`` on the AMX kernel (gate_up packed gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is
-(GGUF Q4_0/Q4_1, GPTQ/AWQ without act-order or bias; then only steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens, i.e.
-decode), no q/k norm (Qwen3), the C RMSNorm/RoPE/decode-attention kernels built, one attention metadata for all
-layers, and for steps with prefill tokens the AMX prefill attention kernel available (head_dim % 32 == 0, <= 128;
-block_size % 16 == 0). Elsewhere, and with ``PAGEDLLM_FUSED_STACK=0``, the model's Python layer loop runs as before.
+``PackedLinear`` on a packed-kernel backend (``packed_linear.LINEAR_BACKENDS``: AMX, or dpbf16 without AMX; all on
+the same one, gate_up packed gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is (GGUF Q4_0/Q4_1, GPTQ/AWQ without act-order or bias;
+then only decode-only steps, or with ``batch_invariant`` off steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens), no q/k norm (Qwen3), the C
+RMSNorm/RoPE/decode-attention kernels built, one attention metadata for all layers, and for steps with prefill
+tokens the AMX prefill attention kernel available (level ``amx``, head_dim % 32 == 0, <= 128; block_size % 16 == 0).
+So it runs at every ISA level that has those kernels (decode steps below ``amx``). Elsewhere, and with
+``KernelConfig.fused_stack`` off (``PAGEDLLM_FUSED_STACK=0``), the model's Python layer loop runs as before.
 Measured (SmolLM2, interleaved, best of 40 steps): bf16 batch 1 11.7-12.7 vs 15.3-15.7 ms, batch 16 at 500-token
 contexts 23.3-24.4 vs 28.3-28.9 ms; the 4-bit GGUF at batch 1 7.2-7.3 vs 10.9-16.4 ms.
 """
@@ -18,49 +20,17 @@ contexts 23.3-24.4 vs 28.3-28.9 ms; the 4-bit GGUF at batch 1 7.2-7.3 vs 10.9-16
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any, Optional
 
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention.cpu_kernels import _sync_decode_amx
 from pagedllm.attention.torch_attn import AttentionMetadata
 from pagedllm.layers.quantization.kernels import INT4_GEMV_MAX_TOKENS
-from pagedllm.utils.c_build import CLibrary
-
-_C = os.path.join(os.path.dirname(__file__), "csrc", "llama_stack.c")
-
-_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I64), ("w", _P), ("sz", _P), ("bias", _P), ("group", _I64), ("n_pad", _I64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")] + [
-        (n, _P) for n in ("ln_in", "ln_post", "k_cache", "v_cache")] + [("window", _I64)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [(n, _I64) for n in ("num_layers", "hidden", "H", "KVH", "D", "inter", "BS")] + [
-        ("eps", _F), ("scale", _F)] + [(n, _P) for n in ("linear", "rms", "rope", "decode", "prefill", "int4",
-                                                       "silu_mul", "layers")]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("T", _I64), ("x", _P), ("x_out", _P), ("res_out", _P), ("cs", _P), ("cs_stride", _I64),
-                ("slots", _P), ("n_dec", _I64), ("dec_max_blocks", _I64), ("dec_bt", _P), ("dec_seq_lens", _P),
-                ("dec_rows", _P), ("n_pre", _I64), ("pre_max_blocks", _I64), ("pre_bt", _P), ("pre_q_starts", _P),
-                ("pre_q_lens", _P), ("pre_seq_lens", _P), ("pre_ws", _P), ("scratch", _P)]
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.stack_forward.argtypes, lib.stack_forward.restype = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None
-    lib.stack_scratch_elems.argtypes, lib.stack_scratch_elems.restype = [ctypes.POINTER(_Model), _I64], _I64
-
-
-_LIB = CLibrary("pagedllm_stack", [_C], ["-O2"], _declare)
+from pagedllm.kernels.bindings import StackLayer as _Layer
+from pagedllm.kernels.bindings import StackModel as _Model
+from pagedllm.kernels.bindings import StackStep as _Step
 
 
 def _addr(lib: ctypes.CDLL, name: str) -> int:
@@ -68,13 +38,13 @@ def _addr(lib: ctypes.CDLL, name: str) -> int:
 
 
 def _linear_kind(mod: Any) -> Optional[int]:
-    """0: a ``PackedLinear`` on the AMX kernel; 1: an int4 ``QuantLinear`` the int4 GEMV takes as it is (no input
+    """0: a ``PackedLinear`` on a packed-kernel backend; 1: an int4 ``QuantLinear`` the int4 GEMV takes as it is (no input
     permutation, no bias, bf16 scales, group % 4 == 0); None: another layer (the fused loop doesn't run)."""
     from pagedllm.layers.packed_linear import PackedLinear
     from pagedllm.layers.quantization.linear import QuantLinear
 
     if type(mod) is PackedLinear:
-        return 0 if mod.backend == "amx" else None
+        return 0 if mod._amx is not None else None
     if (type(mod) is QuantLinear and mod.kind == "int4" and mod.perm is None and mod.bias is None
             and mod.scales_and_zeros.dtype == torch.bfloat16 and mod._kernel_group % 4 == 0):
         return 1
@@ -97,10 +67,14 @@ class FusedStack:
         self.H, self.KVH, self.D = a0.num_heads, a0.num_kv_heads, a0.head_dim
         self.inter = layers[0].mlp.gate_up_proj.out_features // 2
         self.prefill_ok = prefill_ok
-        self.any_int4 = False  # int4 linears run on int4_gemv_bf16, i.e. only steps of <= INT4_GEMV_MAX_TOKENS tokens
+        # int4 linears run on int4_gemv_bf16, as the Python path runs decode rows (batch invariant: only steps
+        # without prefill rows, which it gives the C tile kernel; else steps of <= INT4_GEMV_MAX_TOKENS tokens)
+        self.any_int4 = False
+        self.int4_max_tokens = None if kernels.config().batch_invariant else INT4_GEMV_MAX_TOKENS
         self.layers = layers
         self._lib, self._cpu = lib, cpu
         self._arr = (_Layer * len(layers))()
+        m_linear = None
         for i, layer in enumerate(layers):
             att, mlp = layer.self_attn, layer.mlp
             s = self._arr[i]
@@ -109,6 +83,7 @@ class FusedStack:
                 d = getattr(s, field)
                 if _linear_kind(mod) == 0:
                     d.kind, d.w, d.bias = 0, mod._w_ptr, mod._b_ptr
+                    m_linear = mod._amx
                 else:
                     d.kind, d.w, d.sz = 1, mod.packed.data_ptr(), mod.scales_and_zeros.data_ptr()
                     d.group, d.n_pad = mod._kernel_group, mod.packed.shape[0]
@@ -122,8 +97,10 @@ class FusedStack:
         m.eps, m.scale = layers[0].input_layernorm.eps, a0.attn.scale
         m.rms, m.rope = _addr(cpu, "add_rms_norm_bf16"), _addr(cpu, "rope_cache_bf16")
         m.decode, m.silu_mul = _addr(cpu, "paged_decode_bf16"), _addr(cpu, "silu_mul_bf16")
+        if m_linear is not None:  # the packed layers' backend (one for all: checked in build)
+            m.linear = ctypes.cast(m_linear, ctypes.c_void_p).value
         if amx is not None:
-            m.linear, m.prefill = _addr(amx, "amx_linear_bf16"), _addr(amx, "amx_prefill_attention_bf16")
+            m.prefill = _addr(amx, "amx_prefill_attention_bf16")
         if int4 is not None:
             m.int4 = _addr(int4, "int4_gemv_bf16")
         m.layers = ctypes.cast(self._arr, ctypes.c_void_p)
@@ -135,14 +112,13 @@ class FusedStack:
     def build(cls, model: Any) -> Optional["FusedStack"]:
         """``model``: a ``LlamaModel`` (after its weights are packed or quantized). None where the fused loop can't
         run."""
-        if os.environ.get("PAGEDLLM_FUSED_STACK", "1") == "0":
+        if not kernels.config().fused_stack:
             return None
         from pagedllm.attention.cpu_kernels import get_lib
         from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
         from pagedllm.layers.layernorm import RMSNorm
         from pagedllm.layers.quantization import cpu_kernels as int4_kernels
         from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-        from pagedllm.utils.amx import amx_lib
 
         if get_tp_size() > 1 or get_pp_size() > 1:
             return None
@@ -172,13 +148,16 @@ class FusedStack:
         if (a0.num_heads % a0.num_kv_heads or a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512
                 or a0.head_dim % 2):
             return None
-        cpu, lib = get_lib(), _LIB.get()
-        amx = amx_lib()  # the AMX linears, and the prefill attention of every kind of model
+        cpu, lib = get_lib(), kernels.lib("stack")
+        amx = kernels.lib("amx")  # the AMX prefill attention (level amx only)
         int4 = int4_kernels.get_lib() if 1 in kinds else None
-        if cpu is None or lib is None or (0 in kinds and amx is None) or (
+        backends = {m.backend for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                    if _linear_kind(m) == 0}
+        if cpu is None or lib is None or len(backends) > 1 or (
                 1 in kinds and (int4 is None or not int4_kernels.int4_gemv_supported())):
             return None
-        prefill_ok = (os.environ.get("PAGEDLLM_AMX_ATTENTION", "1") != "0" and a0.head_dim % 32 == 0
+        prefill_ok = (kernels.config().amx_attention and a0.head_dim % 32 == 0
                       and a0.head_dim <= 128 and amx is not None)
         return cls(model, lib, cpu, amx, int4, prefill_ok)
 
@@ -214,7 +193,7 @@ class FusedStack:
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
         T = x.shape[0]
-        if self.any_int4 and T > INT4_GEMV_MAX_TOKENS:  # the Python loop picks the int4 GEMM / dense paths there
+        if self.any_int4 and (T > self.int4_max_tokens if self.int4_max_tokens is not None else meta.prefills):
             return None
         s = self._step
         s.T, s.x, s.cs, s.cs_stride, s.slots = T, x.data_ptr(), cos.data_ptr(), cos.stride(0), slots.data_ptr()
@@ -236,9 +215,9 @@ class FusedStack:
             s.n_pre = 0
         x_out = torch.empty_like(x)
         res_out = torch.empty_like(x)
-        need = self._lib.stack_scratch_elems(ctypes.byref(self._model), T)
+        need = self._lib.stack_scratch_elems(ctypes.addressof(self._model), T)
         if self._scratch.numel() < need:  # kept across steps: a prefill step's ~17 MB would be new pages each time
             self._scratch = torch.empty(need, dtype=torch.bfloat16)
         s.x_out, s.res_out, s.scratch = x_out.data_ptr(), res_out.data_ptr(), self._scratch.data_ptr()
-        self._lib.stack_forward(ctypes.byref(self._model), ctypes.byref(s))
+        self._lib.stack_forward(ctypes.addressof(self._model), ctypes.addressof(s))
         return x_out, res_out

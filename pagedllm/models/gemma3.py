@@ -28,6 +28,7 @@ from pagedllm.layers.packed_linear import lm_head_logits
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import GemmaRMSNorm
+from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.models.utils import load_named_weights, skip_init_linear, stacked_params_resolver
 
@@ -164,9 +165,13 @@ class Gemma3ForCausalLM(nn.Module):
         hf_config: a ``transformers.Gemma3TextConfig`` (or one with the same fields).
         dtype: parameter and activation dtype (norms and rotary tables are computed in float32 first).
         max_model_len: positions to cache rotary tables for.
+        quant_config: a ``layers.quantization.QuantConfig``: linears and the (tied) embedding are built quantized.
     """
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None) -> None:
+    supports_quantization = True
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, max_model_len: Optional[int] = None,
+                 quant_config: Any = None) -> None:
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
@@ -178,6 +183,7 @@ class Gemma3ForCausalLM(nn.Module):
         else:
             self.lm_head = skip_init_linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         self.final_logit_softcapping: Optional[float] = getattr(hf_config, "final_logit_softcapping", None)
+        self.quant_modules = quantize_model(self, quant_config) if quant_config is not None else {}
         windows = [layer.self_attn.attn.sliding_window for layer in self.model.layers]
         self.sliding_window: Optional[int] = next((w for w in windows if w is not None), None)
 
@@ -199,7 +205,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        logits = lm_head_logits(self, hidden_states).float()
+        logits = lm_head_logits(self, hidden_states)  # float32 (a quantized head's own logits when quantized)
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -218,7 +224,16 @@ class Gemma3ForCausalLM(nn.Module):
                 name = "model." + name[len("model.language_model."):]
             return fused(name)
 
+        if self.quant_modules:  # quantized modules take their tensors as they come; the rest are copied
+            def unquantized(pairs):
+                for name, tensor in pairs:
+                    target = resolve(name)
+                    if target is None or not load_quantized(self.quant_modules, target.param, target.shard, tensor):
+                        yield name, tensor
+
+            weights = unquantized(weights)
         load_named_weights(self, weights, resolve)
+        finish_quantized_loading(self.quant_modules)
         for m in self.modules():
             if isinstance(m, GemmaRMSNorm):
                 m.update_scale()

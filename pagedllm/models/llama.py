@@ -343,10 +343,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] in the model dtype, or float32 from the AMX head (``lm_head_logits``); the sampler
-        upcasts only when it needs float32."""
-        if self.quant_modules and not isinstance(self.lm_head, (nn.Linear, nn.Embedding)):
-            return self.lm_head.logits(hidden_states)
+        """[N, hidden] -> [N, vocab] float32 on every path (``lm_head_logits``)."""
         return lm_head_logits(self, hidden_states)
 
     @torch.no_grad()

@@ -24,7 +24,9 @@ class NgramDrafter:
         if len(states) > self.max_num_reqs:
             return [[] for _ in states]
         propose = self.proposer.propose
-        return [propose(st.token_ids) if toks else [] for st, toks in zip(states, sampled)]
+        # Structured outputs: no drafts (the grammar's bitmask covers one position per step).
+        return [propose(st.token_ids) if toks and getattr(st.sampling_params, "structured_outputs", None) is None
+                else [] for st, toks in zip(states, sampled)]
 
 
 def make_drafter(config) -> Optional[NgramDrafter]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from typing import Sequence
 
 import torch
@@ -31,7 +30,9 @@ _ALIGN = 4096  # each tensor starts on a page (so a tensor never shares a cache 
 
 
 def _enabled() -> bool:
-    return os.environ.get("PAGEDLLM_HUGEPAGES", "0") == "1" and hasattr(mmap, "MADV_HUGEPAGE")
+    from pagedllm import kernels
+
+    return kernels.config().hugepages and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from pagedllm.attention.torch_attn import build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.packed_linear import pack_linear_weights, packing_supported
+from pagedllm.layers.quantization.kernels import step_rows
 from pagedllm.kv_cache_spec import KVCacheLayout, KVCacheSpec, as_kv_cache_specs, plan_kv_cache_layout
 from pagedllm.layers.sampler import (
     LogprobsTensors,
@@ -30,6 +31,7 @@ from pagedllm.layers.sampler import (
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.drafter import make_drafter
 from pagedllm.spec_decode.verify import GeneratorRewind, accept, verify_rows
+from pagedllm.structured_output import apply_grammar_bitmask
 from pagedllm.utils.hugepages import zeros_in_hugepages
 
 logger = logging.getLogger(__name__)
@@ -225,7 +227,8 @@ class ModelRunner:
                               for g in range(1, self.num_groups)]
             meta = [metas[g] for g in self.layout.layer_group]
 
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with step_rows(query_lens):  # which rows are decode / prefill (int4 linears' kernel per row kind)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # Rows that sample: their last scheduled token is the last known token.
         sample_rows = [i for i, st in enumerate(states) if seq_lens[i] >= len(st.token_ids)]
@@ -244,6 +247,13 @@ class ModelRunner:
                 rows = [states[i].sampler_state for i in sample_rows]
             last_idx = torch.tensor(row_idx, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, last_idx))
+            gb = sched.grammar_bitmask
+            if gb is not None and hasattr(gb, "result"):  # filled beside the forward pass (engine/core.py)
+                gb = gb.result()
+            if gb is not None:  # structured outputs: disallowed tokens -> -inf (such requests get no drafts)
+                row_req_ids = ([req_ids[i] for i in sample_rows] if drafts is None else
+                               [req_ids[i] for i, d in zip(sample_rows, drafts) for _ in range(len(d) + 1)])
+                logits = apply_grammar_bitmask(logits, gb, row_req_ids)
             md = SamplingMetadata.build(rows, self.vocab_size, self.device)
             rewind = GeneratorRewind([states[i].sampler_state for i in sample_rows], drafts) if drafts else None
             so = self.sampler(logits, md)  # None on a pipeline rank that doesn't sample (see worker.py)

@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import EngineConfig
@@ -89,7 +88,9 @@ class ParallelModel(nn.Module):
             return self.model.compute_logits(hidden_states)
         from pagedllm.layers.vocab_parallel_embedding import gather_logits
 
-        local = F.linear(hidden_states, self.model.lm_head.weight).float()
+        from pagedllm.layers.packed_linear import float32_logits
+
+        local = float32_logits(self.model, hidden_states, self.model.lm_head.weight)
         return gather_logits(local, self.vocab_size)
 
 
@@ -152,6 +153,10 @@ class Worker:
 
         if num_threads:
             torch.set_num_threads(num_threads)
+        if config.kernel is not None:
+            from pagedllm import kernels
+
+            kernels.set_config(config.kernel)
         pc = config.parallel
         self.groups = ps.init_distributed(rank, world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                                           init_method, ps.default_backend("cpu"))

@@ -1,42 +1,21 @@
-"""``csrc/int4_cpu.c`` (built once by ``pagedllm.utils.c_build``): the batched int4 / int8 matmuls and the int4
-weight expansion. ``PAGEDLLM_CPU_KERNELS=0`` or a failed build: the torch paths are used (one warning)."""
+"""Torch-tensor wrappers of the int4 / int8 kernels (``kernels/csrc/int4_cpu.c``, the ``int4`` library of
+``pagedllm.kernels``): batched int4 / int8 matmuls, the int4 weight expansion and the integer-dot (VNNI) decode
+kernels. Where the library can't load (level ``none``, ``PAGEDLLM_CPU_KERNELS=0``, no compiler) ``get_lib()`` is None
+and the callers use the torch paths."""
 
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
 
-from pagedllm.utils.c_build import CLibrary
-
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "int4_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.int4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    lib.int4_expand.argtypes = [ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
-    lib.int8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.int8_logits.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.int4_gemm.restype = lib.int4_expand.restype = lib.int8_gemm.restype = None
-    lib.int8_logits.restype = None
-    lib.int4_gemv_bf16_supported.argtypes = []
-    lib.int4_gemv_bf16_supported.restype = ctypes.c_int
-    if lib.int4_gemv_bf16_supported():  # both VNNI kernels exist only on CPUs with AVX512-VNNI, -VBMI and -BF16
-        lib.int4_gemv_bf16.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr]
-        lib.int8_logits_vnni.argtypes = lib.int8_logits.argtypes
-        lib.int4_gemv_bf16.restype = lib.int8_logits_vnni.restype = None
-
-
-_LIB = CLibrary("int4_cpu", [_SRC], _FLAGS, _declare)
+from pagedllm import kernels
 
 
 def get_lib() -> Optional[ctypes.CDLL]:
-    """The int4/int8 kernels' library (built on first use), or None: disabled, or no compiler."""
-    return _LIB.get()
+    """The int4/int8 kernels' library for the active level, or None: level ``none``, disabled, or no compiler."""
+    return kernels.lib("int4")
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
@@ -50,30 +29,25 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Ten
     return out
 
 
-_GEMV_SUPPORTED: Optional[bool] = None
-
-
 def int4_gemv_supported() -> bool:
-    """Whether ``int4_gemv_bf16`` was built (the CPU has AVX512-VNNI, -VBMI and -BF16); cached."""
-    global _GEMV_SUPPORTED
+    """Whether ``int4_gemv_bf16`` exists in the active level's build (AVX512-VNNI, -VBMI and -BF16)."""
     lib = get_lib()
-    if lib is None:
-        return False
-    if _GEMV_SUPPORTED is None:
-        _GEMV_SUPPORTED = bool(lib.int4_gemv_bf16_supported())
-    return _GEMV_SUPPORTED
+    return lib is not None and hasattr(lib, "int4_gemv_bf16")
 
 
 def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                   n_out: int) -> torch.Tensor:
-    """``x [M, K]`` (bf16, contiguous) @ w.T -> bf16 ``[M, n_out]`` on integer dot products (csrc/int4_cpu.c): x is
-    quantized per weight group to 15 bits (error ~2^-15 of the group's largest |x|), sums are exact in int32, the
-    scales apply in float32, one rounding to bf16. ``scales_and_zeros`` bf16, group ``G % 4 == 0``. Requires
+                   n_out: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x [M, K]`` (bf16, contiguous) @ w.T -> ``[M, n_out]`` in ``out_dtype`` (bf16, or float32 for logits) on
+    integer dot products (kernels/csrc/int4_cpu.c): x is quantized per weight group to 15 bits (error ~2^-15 of the
+    group's largest |x|), sums are exact in int32, the scales apply in float32, then one rounding to bf16 (none for
+    float32). Each row's arithmetic is independent of M. ``scales_and_zeros`` bf16, group ``G % 4 == 0``. Requires
     ``int4_gemv_supported()``."""
     m, k = x.shape
-    out = torch.empty(m, n_out, dtype=torch.bfloat16)
-    get_lib().int4_gemv_bf16(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size,
-                             packed.shape[0], n_out, out.data_ptr())
+    out = torch.empty(m, n_out, dtype=out_dtype)
+    lib = get_lib()
+    fn = lib.int4_gemv_bf16_f32 if out_dtype == torch.float32 else lib.int4_gemv_bf16
+    fn(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size, packed.shape[0], n_out,
+       out.data_ptr())
     return out
 
 

@@ -1,14 +1,16 @@
-"""GGUF quantized tensors, kept quantized: raw ggml blocks -> ``Int4Groups`` / ``Int8Rows``.
+"""GGUF quantized tensors, kept quantized: raw ggml blocks -> ``KQuantWeight`` / ``Int4Groups`` / ``Int8Rows``.
 
 | ggml type | kept as | exact? |
 |---|---|---|
+| Q8_0, Q5_0, Q4_K, Q5_K, Q6_K | the file's blocks as stored (``kquant.KQuantWeight``, ``kernels/csrc/kquant_cpu.c``) | yes |
 | Q4_0 (``d * (q - 8)``) | int4, group 32, zero 0 | yes (d rounded to the activation dtype) |
 | Q4_1 (``d * q + m``) | int4, group 32, zero ``m + 8 d`` | yes (scale and zero rounded to the activation dtype) |
-| Q8_0 (``d * q`` per 32) | int8 per row | requantized (the int8 op takes one scale per row) |
-| Q2_K, Q3_K, Q4_K, IQ4_* | int4, group 32 (min-max of the dequantized values) | requantized |
-| Q5_*, Q6_K, Q8_K, other | int8 per row (of the dequantized values) | requantized |
+| Q2_K, Q3_K, IQ4_* | int4, group 32 (min-max of the dequantized values) | requantized |
+| Q5_1, Q8_K, other | int8 per row (of the dequantized values) | requantized |
 
-Each requantization is logged once per ggml type.
+Without the C kernels (``PAGEDLLM_CPU_KERNELS=0``, no compiler) the kept-as-stored types fall back to the
+requantizations they had before: Q4_K to int4, the others to per-row int8. Each requantization is logged once per
+ggml type.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pagedllm.layers.quantization.kernels import Int4Groups, Int8Rows, quantize_int4_minmax
+from pagedllm.layers.quantization.kquant import KQuantWeight, kquant_supports
 
 logger = logging.getLogger(__name__)
 
 UNQUANTIZED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.F64})
-_TO_INT4 = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_NL, T.IQ4_XS})
+_TO_INT4 = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.IQ4_NL, T.IQ4_XS})  # Q4_K: only without the kquant kernels
 _logged: set[str] = set()
 
 
@@ -58,8 +61,10 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:  # [n_blocks, 16] -> [n_blocks, 
     return torch.cat([qs & 0x0F, qs >> 4], dim=1)
 
 
-def gguf_to_canonical(w: GGUFWeight) -> Int4Groups | Int8Rows:
+def gguf_to_canonical(w: GGUFWeight) -> KQuantWeight | Int4Groups | Int8Rows:
     rows, cols = w.shape
+    if kquant_supports(w.ggml_type, cols):
+        return KQuantWeight(w.ggml_type, cols, w.data)
     _, type_size = GGML_QUANT_SIZES[w.ggml_type]
     if w.ggml_type in (T.Q4_0, T.Q4_1):
         blocks = w.data.reshape(-1, type_size)

@@ -26,8 +26,12 @@ Measured (1 thread, bf16, SmolLM2 shapes, microseconds; see README "Quantization
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -166,15 +170,76 @@ class PackedInt4:
         return w.mul_(sz[..., 0:1]).add_(sz[..., 1:2]).view(n_pad, k)
 
 
+@dataclass
+class StepRows:
+    """Which rows of a step's activations ``[num_tokens, ...]`` are decode rows (a request's one new token) and which
+    prefill rows: ``None`` for none of that kind, a tensor of row indices, or ``ALL``."""
+
+    num_tokens: int
+    decode: object
+    prefill: object
+
+
+ALL = "all"
+_step = threading.local()
+
+
+@contextmanager
+def step_rows(query_lens: list[int]) -> Iterator[None]:
+    """The model runner marks the step's rows around the model's forward (``query_lens``: new tokens per request,
+    in row order), so int4 linears can give each row its kernel by its kind, not by how many rows share the call."""
+    n = sum(query_lens)
+    n_dec = sum(1 for q in query_lens if q == 1)
+    if n_dec == len(query_lens):
+        rows = StepRows(n, ALL, None)
+    elif n_dec == 0:
+        rows = StepRows(n, None, ALL)
+    else:
+        is_dec = np.repeat(np.array([q == 1 for q in query_lens]), query_lens)
+        rows = StepRows(n, torch.from_numpy(np.flatnonzero(is_dec)), torch.from_numpy(np.flatnonzero(~is_dec)))
+    prev = getattr(_step, "rows", None)
+    _step.rows = rows
+    try:
+        yield
+    finally:
+        _step.rows = prev
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
-                n_out: int) -> torch.Tensor:
-    """``x [T, K] @ w.T -> [T, n_out]`` on the path for T rows (see ``INT4_GEMM_MIN_TOKENS``)."""
+                n_out: int, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x [T, K] @ w.T -> [T, n_out]`` in ``out_dtype`` (default x's dtype; float32 for logits).
+
+    Batch invariant (``KernelConfig.batch_invariant``, the default): each row's kernel depends on the row, never on
+    how many rows share the call, and both kernels' per-row arithmetic is independent of T. bf16 where the level has
+    the integer-dot kernel: decode rows (and rows of unknown kind, e.g. logits) on it, prefill rows
+    (``step_rows``) on our C tile kernel (``int4_gemm``, float32 weights); otherwise ``int4_gemm`` for every row;
+    level ``none``: aten's op (not guaranteed invariant). With invariance off the path is picked by T
+    (``INT4_GEMM_MIN_TOKENS``).
+    """
+    from pagedllm import kernels
     from pagedllm.layers.quantization import cpu_kernels
 
     t = x.shape[0]
-    if t <= INT4_GEMV_MAX_TOKENS and x.dtype == torch.bfloat16 and cpu_kernels.int4_gemv_supported():
-        return cpu_kernels.int4_gemv_bf16(x.contiguous(), packed, scales_and_zeros, kernel_g, n_out)
-    lib = cpu_kernels.get_lib() if t >= INT4_GEMM_MIN_TOKENS and x.dtype in (torch.bfloat16, torch.float32) else None
+    out_dtype = out_dtype or x.dtype
+    invariant = kernels.config().batch_invariant
+    if x.dtype == torch.bfloat16 and cpu_kernels.int4_gemv_supported() and (invariant or t <= INT4_GEMV_MAX_TOKENS):
+        rows = getattr(_step, "rows", None) if invariant and out_dtype == x.dtype else None
+        gemv = cpu_kernels.int4_gemv_bf16
+        if rows is None or rows.num_tokens != t or rows.prefill is None:
+            return gemv(x.contiguous(), packed, scales_and_zeros, kernel_g, n_out, out_dtype)
+        x = x.contiguous()
+        if rows.decode is None:
+            return cpu_kernels.int4_gemm(x, packed, scales_and_zeros, kernel_g, n_out)
+        out = torch.empty(t, n_out, dtype=x.dtype)
+        out[rows.decode] = gemv(x[rows.decode], packed, scales_and_zeros, kernel_g, n_out, out_dtype)
+        out[rows.prefill] = cpu_kernels.int4_gemm(x[rows.prefill], packed, scales_and_zeros, kernel_g, n_out)
+        return out
+    if out_dtype == torch.float32 and x.dtype != torch.float32:  # float32 sums out: the float32 kernels
+        x, scales_and_zeros = x.float(), scales_and_zeros.float()
+    lib = cpu_kernels.get_lib() if x.dtype in (torch.bfloat16, torch.float32) else None
+    if lib is not None and kernels.config().batch_invariant:
+        return cpu_kernels.int4_gemm(x.contiguous(), packed, scales_and_zeros, kernel_g, n_out)
+    lib = lib if t >= INT4_GEMM_MIN_TOKENS else None
     if t >= DENSE_FALLBACK_MIN_TOKENS:
         if lib is not None:
             w = cpu_kernels.int4_expand(packed, scales_and_zeros, kernel_g, x.dtype)
@@ -195,23 +260,27 @@ INT8_LOGITS_MAX_TOKENS = 32  # int8_logits re-converts each weight tile per 4 ro
 
 def int8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, unit_scale: torch.Tensor) -> torch.Tensor:
     """Logits of a per-row int8 LM head: ``x [T, K] @ (q * scale[:, None]).T -> [T, N]`` float32, ``scale [N]``
-    float32 applied to float32 sums. ``unit_scale``: ones in x's dtype, for the int8 matmul of the fallback path
-    (aten's int8 op is 12x slower in float32, so it runs in the activation dtype with unit scales)."""
+    float32 applied to float32 sums. Batch invariant (the default): our C kernel for every T where it runs;
+    otherwise it only takes up to ``INT8_LOGITS_MAX_TOKENS`` rows. Without it (level ``none``): aten's int8 op on
+    float32 activations (float32 sums, ~12x slower than in bf16, but no bf16 rounding of the logits).
+    ``unit_scale``: ones in x's dtype (kept for the callers' buffers)."""
+    from pagedllm import kernels
     from pagedllm.layers.quantization import cpu_kernels
 
-    if (x.shape[0] <= INT8_LOGITS_MAX_TOKENS and x.shape[1] % 16 == 0 and x.dtype in (torch.bfloat16, torch.float32)
-            and cpu_kernels.get_lib() is not None):
+    if (x.shape[1] % 16 == 0 and x.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.get_lib() is not None
+            and (kernels.config().batch_invariant or x.shape[0] <= INT8_LOGITS_MAX_TOKENS)):
         return cpu_kernels.int8_logits(x.contiguous(), q, scale)
-    return int8_matmul(x, q, unit_scale).float().mul_(scale)
+    return torch.ops.aten._weight_int8pack_mm(x.float(), q, scale.float())
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [T, K] @ (q * scale[:, None]).T -> [T, N]`` (``scale`` in x's dtype): aten's op below
-    ``INT8_GEMM_MIN_TOKENS`` rows, else the C tiled kernel (49152x576 at M=32: aten 44 ms, C 34 ms; M=128: 358 /
-    118 ms)."""
+    """``x [T, K] @ (q * scale[:, None]).T -> [T, N]`` (``scale`` in x's dtype). Batch invariant (the default): the
+    C tiled kernel for every T where it runs (K % 32 == 0); otherwise aten's op below ``INT8_GEMM_MIN_TOKENS`` rows
+    (49152x576 at M=32: aten 44 ms, C 34 ms; M=128: 358 / 118 ms)."""
+    from pagedllm import kernels
     from pagedllm.layers.quantization import cpu_kernels
 
-    if (x.shape[0] >= INT8_GEMM_MIN_TOKENS and x.shape[1] % 32 == 0 and x.dtype in (torch.bfloat16, torch.float32)
-            and cpu_kernels.get_lib() is not None):
+    if (x.shape[1] % 32 == 0 and x.dtype in (torch.bfloat16, torch.float32) and cpu_kernels.get_lib() is not None
+            and (kernels.config().batch_invariant or x.shape[0] >= INT8_GEMM_MIN_TOKENS)):
         return cpu_kernels.int8_gemm(x.contiguous(), q, scale)
     return torch.ops.aten._weight_int8pack_mm(x, q, scale)

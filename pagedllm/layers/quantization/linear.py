@@ -1,9 +1,10 @@
 """``QuantLinear`` / ``QuantEmbedding``: modules that collect checkpoint shards while loading, then pack them once.
 
 A fused layer (``qkv_proj``, ``gate_up_proj``) receives its shards separately (``load_shard(shard_id, name, t)``);
-``process_weights_after_loading`` converts each to a canonical form (``kernels.Int4Groups`` or ``Int8Rows``),
-stacks them along the outputs and packs the result. Shards of different forms (a GGUF Q4_K_M file stores
-``attn_v`` as Q6_K next to Q4_K q/k) fall back to per-row int8 for the whole layer; a dense shard makes it dense.
+``process_weights_after_loading`` converts each to a canonical form (``kquant.KQuantWeight``, ``kernels.Int4Groups``
+or ``Int8Rows``), stacks them along the outputs and packs the result. GGUF shards kept as stored may each have their
+own type (a Q4_K_M file stores ``attn_v`` as Q6_K next to Q4_K q/k): each writes its columns of the one output.
+Other mixes of forms fall back to per-row int8 for the whole layer; a dense shard makes it dense.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from pagedllm.layers.quantization.kernels import (
     int8_logits,
     int8_matmul,
 )
+from pagedllm.layers.quantization.kquant import KQuantWeight, dequantize_rows, kquant_linear
 
 logger = logging.getLogger(__name__)
 
 
 class QuantLinear(nn.Module):
-    """``y = x @ W.T (+ bias)`` with ``W`` kept as int4 groups, int8 rows, or dense (``self.kind``)."""
+    """``y = x @ W.T (+ bias)`` with ``W`` kept as GGUF blocks as stored, int4 groups, int8 rows, or dense
+    (``self.kind``: kquant, int4, int8, dense)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant_config: Any,
                  output_sizes: Optional[tuple[int, ...]] = None) -> None:
@@ -46,7 +49,7 @@ class QuantLinear(nn.Module):
     def load_shard(self, shard_id: int, name: str, tensor: Any) -> None:
         self._shards.setdefault(shard_id, {})[name] = tensor
 
-    def _canonical(self, shard_id: int) -> Int4Groups | Int8Rows | torch.Tensor:
+    def _canonical(self, shard_id: int) -> KQuantWeight | Int4Groups | Int8Rows | torch.Tensor:
         from pagedllm.layers.quantization.gguf import GGUFWeight, gguf_to_canonical
 
         parts = self._shards.get(shard_id)
@@ -76,9 +79,16 @@ class QuantLinear(nn.Module):
         parts = [self._canonical(i) for i in range(len(self.output_sizes))]
         self._shards = {}
         for part, size in zip(parts, self.output_sizes):
-            rows = part.q.shape[0] if not isinstance(part, torch.Tensor) else part.shape[0]
+            rows = part.shape[0] if isinstance(part, torch.Tensor) else part.rows if isinstance(
+                part, KQuantWeight) else part.q.shape[0]
             if rows != size:
                 raise ValueError(f"quantized weight has {rows} output rows, expected {size} ({self.extra_repr()})")
+        if all(isinstance(p, KQuantWeight) for p in parts):
+            self.kind = "kquant"
+            self._kq = parts  # the tensors stay views of the mapped file (registered so the module owns them)
+            for i, p in enumerate(parts):
+                self.register_buffer(f"kq_data{i}", p.data, persistent=False)
+            return
         int4 = all(isinstance(p, Int4Groups) for p in parts)
         if int4 and len(parts) > 1:
             perms = [p.perm for p in parts]
@@ -108,6 +118,8 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """float32 ``[N, K]`` as the layer computes with it (checkpoint input order)."""
+        if self.kind == "kquant":
+            return torch.cat([p.dequantize() for p in self._kq])
         if self.kind == "int4":
             q = PackedInt4.unpack_codes(self.packed)[: self._n_out]
             sz = self.scales_and_zeros.float()[:, : self._n_out]  # [K / g, N, 2]
@@ -118,7 +130,9 @@ class QuantLinear(nn.Module):
         return self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self.kind == "int4":
+        if self.kind == "kquant":
+            y = kquant_linear(x, self._kq)
+        elif self.kind == "int4":
             if self.perm is not None:
                 x = x.index_select(-1, self.perm)
             y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out)
@@ -130,15 +144,27 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y
 
-    logits = forward  # as a (untied) lm_head
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # as an (untied) lm_head: [T, K] -> [T, N] float32
+        if self.kind == "kquant":
+            y = kquant_linear(x, self._kq, torch.float32)
+        elif self.kind == "int4":
+            if self.perm is not None:
+                x = x.index_select(-1, self.perm)
+            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out, torch.float32)
+        elif self.kind == "int8":
+            y = int8_matmul(x.float(), self.qweight, self.scale.float())
+        else:
+            y = F.linear(x.float(), self.weight.float())
+        return y if self.bias is None else y + self.bias.float()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kind={self.kind}"
 
 
 class QuantEmbedding(nn.Module):
-    """Token embedding (and tied lm_head) kept as per-row int8: a row's scale serves both the lookup and the
-    logits matmul. A dense checkpoint tensor stays dense."""
+    """Token embedding (and tied lm_head): GGUF blocks kept as stored (the lookup dequantizes only the looked-up
+    rows, the logits run on the kquant kernel in float32), else per-row int8 (a row's scale serves both the lookup
+    and the logits matmul). A dense checkpoint tensor stays dense."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, quant_config: Any) -> None:
         super().__init__()
@@ -162,6 +188,11 @@ class QuantEmbedding(nn.Module):
             raise ValueError("checkpoint is missing the token embedding")
         if isinstance(w, GGUFWeight):
             w = gguf_to_canonical(w)
+            if isinstance(w, KQuantWeight):
+                self.kind = "kquant"
+                self._kq = w
+                self.register_buffer("kq_data", w.data, persistent=False)
+                return
             if isinstance(w, Int4Groups):
                 logger.info("embedding: int4 GGUF type requantized to per-row int8")
                 w = Int8Rows.quantize(w.dequantize())
@@ -183,16 +214,24 @@ class QuantEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
         if self.kind == "dense":
             return F.embedding(input_ids, self.weight)
+        if self.kind == "kquant":
+            return dequantize_rows(self._kq, input_ids, self.dtype).view(*input_ids.shape, self.embedding_dim)
         return (self.qweight[input_ids].float() * self.scale[input_ids, None]).to(self.dtype)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] (float32 when int8)
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [N, dim] -> [N, vocab] float32
         if self.kind == "dense":
-            return F.linear(x, self.weight)
+            from pagedllm.layers.packed_linear import float32_logits
+
+            return float32_logits(self, x, self.weight)
+        if self.kind == "kquant":
+            return kquant_linear(x, [self._kq], torch.float32)
         return int8_logits(x, self.qweight, self.scale, self.unit_scale)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kind == "dense":
             return self.weight.float()
+        if self.kind == "kquant":
+            return self._kq.dequantize()
         return self.qweight.float() * self.scale.float()[:, None]
 
     def extra_repr(self) -> str:

@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "bf16.h"
+#include "pagedllm_kernels.h"
 
 #define PAR_MIN_ELEMS 262144
 

@@ -13,6 +13,7 @@
 #include <math.h>
 
 #include "bf16.h"
+#include "pagedllm_kernels.h"
 
 #define DEFINE_DECODE_SCALAR(NAME, T, LOAD, STORE)                                                                  \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, int64_t max_blocks,  \
@@ -223,7 +224,7 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
  * 16 columns used); the 16 x G scores come out of one accumulator tile. TDPBF16PS sums exact bf16 products in fp32,
  * like vdpbf16ps. On only when the process holds the AMX tile state (paged_decode_use_amx, set from Python once
  * pagedllm.utils.amx has asked for it). Tiles: 0 = scores, 4 = K rows, 2/3/5/6 = Q^T for dims 0-31/.../96-127. */
-#include "../../layers/csrc/amx.h"
+#include "amx.h"
 #define HAVE_AMX_SCORES 1
 static int g_use_amx = 0;
 void paged_decode_use_amx(int on) { g_use_amx = on; }

@@ -35,8 +35,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../../attention/csrc/simd.h" /* silu16, round16_bf16, store16_bf16_bits: as in csrc/cpu_ops.c silu_mul */
+#include "simd.h" /* silu16, round16_bf16, store16_bf16_bits: as in cpu_ops.c silu_mul */
 #include "amx.h"
+#include "pagedllm_kernels.h"
 
 #define PREFETCH_BLOCKS 8 /* weight K blocks (2 KB each) prefetched ahead of the one being multiplied */
 #define UNIT_WEIGHT_BYTES (288 * 1024) /* weights of one work unit (at most), bytes */

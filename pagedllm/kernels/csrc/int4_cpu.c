@@ -16,6 +16,8 @@
 #endif
 #include <string.h>
 
+#include "pagedllm_kernels.h"
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -238,6 +240,27 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
     }
     free(xf);
 }
+#else
+/* Without AVX-512: the same float32 sums in 16 interleaved partial sums (as the 16 lanes above), then the scale. */
+void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N, float *out,
+                 int is_bf16) {
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, i, is_bf16);
+#pragma omp parallel for schedule(static) if (N > 64)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *qn = q + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = xf + m * K;
+            float acc[16] = {0};
+            for (int64_t k = 0; k < K; k += 16)
+                for (int l = 0; l < 16; l++) acc[l] += xm[k + l] * (float)qn[k + l];
+            float t = 0.0f;
+            for (int l = 0; l < 16; l++) t += acc[l];
+            out[m * N + n] = t * scale[n];
+        }
+    }
+    free(xf);
+}
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
@@ -253,7 +276,7 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
 static inline __attribute__((always_inline)) void gemv_block(
     const int MR, const int8_t *xhi, const int8_t *xlo, int64_t K, const float *xscale, const float *xsum,
     int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out,
-    uint16_t *out) {
+    void *out, const int F32) {
     /* lane r of rows 0..15: bytes (a[r], a[32 + r], b[r], b[32 + r]) of (a, b) = features (k, k + 1), (k + 2, k + 3) */
     const __m512i idx0 = _mm512_set_epi8(
         111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12, 107, 75, 43, 11, 106, 74, 42, 10,
@@ -315,15 +338,19 @@ static inline __attribute__((always_inline)) void gemv_block(
             const int64_t cnt = n_out - n0 - 16 * i;
             if (cnt <= 0) break;
             const __mmask16 mask = cnt >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cnt) - 1);
-            _mm256_mask_storeu_epi16(out + r * n_out + n0 + 16 * i, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(y[r] + 16 * i)));
+            if (F32) /* the same float32 sums, unrounded (logits) */
+                _mm512_mask_storeu_ps((float *)out + r * n_out + n0 + 16 * i, mask, _mm512_load_ps(y[r] + 16 * i));
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)out + r * n_out + n0 + 16 * i, mask,
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(y[r] + 16 * i)));
         }
 }
 
-/* out[M][n_out] (bf16) = x[M][K] (bf16) @ w.T over the CPU int4 pack with bf16 scales_and_zeros;
- * K % G == 0, G % 4 == 0. */
-void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
-                    int64_t N_pad, int64_t n_out, uint16_t *out) {
+/* out[M][n_out] (bf16, or float32 if F32) = x[M][K] (bf16) @ w.T over the CPU int4 pack with bf16
+ * scales_and_zeros; K % G == 0, G % 4 == 0. Each row's arithmetic is the same whatever M is (batch invariant). */
+static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
+                      int64_t N_pad, int64_t n_out, void *out, const int F32) {
+    const int64_t esz = F32 ? 4 : 2;
     const int64_t n_groups = K / G;
     int8_t *xq = (int8_t *)malloc((size_t)(2 * M * K)); /* hi [M][K], then lo [M][K] */
     float *xs = (float *)malloc(sizeof(float) * (size_t)(2 * M * n_groups)); /* scale, then scale * sum(xq) */
@@ -349,14 +376,29 @@ void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pack
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
             const int8_t *xh = xq + m0 * K, *xl = xq + M * K + m0 * K;
             const float *sc = xs + m0 * n_groups, *sm = xs + M * n_groups + m0 * n_groups;
-            if (M - m0 >= 2)
-                gemv_block(2, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, out + m0 * n_out);
+            char *o = (char *)out + m0 * n_out * esz;
+            if (F32 && M - m0 >= 2)
+                gemv_block(2, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
+            else if (F32)
+                gemv_block(1, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
+            else if (M - m0 >= 2)
+                gemv_block(2, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
             else
-                gemv_block(1, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, out + m0 * n_out);
+                gemv_block(1, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
         }
     }
     free(xq);
     free(xs);
+}
+
+void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
+                    int64_t N_pad, int64_t n_out, uint16_t *out) {
+    gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 0);
+}
+
+void int4_gemv_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz,
+                        int64_t G, int64_t N_pad, int64_t n_out, float *out) {
+    gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 1);
 }
 
 /* Per-row int8 weights as logits on integer dot products: out[M][N] (float32) = scale[n] * sum_k x[m][k] q[n][k].

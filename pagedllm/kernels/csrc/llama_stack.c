@@ -3,9 +3,8 @@
  * Why: a SmolLM2 decode step makes ~240 kernel calls (4 linears, 2 norms, RoPE + cache write and attention per
  * layer); through Python each costs ~10-20 us of dispatch, argument conversion and output allocation, which is
  * several ms of a 15-35 ms step. Here the same kernels run in the same order on the same data, called through
- * function pointers (the libraries that define them are built separately: layers/csrc/amx_linear.c,
- * attention/csrc/cpu_ops.c, paged_decode.c, amx_attention.c, layers/quantization/csrc/int4_cpu.c), so the result
- * equals the Python path bit for bit.
+ * function pointers (the libraries that define them are built separately: amx_linear.c or another linear backend,
+ * cpu_ops.c, paged_decode.c, amx_attention.c, int4_cpu.c), so the result equals the Python path bit for bit.
  *
  * Per layer (pre-norm block; `res` is the residual stream):
  *   xn = rms(x + res) (first layer: rms(x), res = x); qkv = xn W_qkv^T (+ b); RoPE on q, k in place, K and V into
@@ -17,24 +16,17 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "pagedllm_kernels.h"
 
-typedef void (*linear_fn)(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
-                          void *out, int mode);
-typedef void (*rms_fn)(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
-                       uint16_t *residual_out, int64_t rows, int64_t H, float eps);
-typedef void (*rope_fn)(uint16_t *qkv, int64_t row_stride, const uint16_t *cs, int64_t cs_stride, uint16_t *cache_k,
-                        uint16_t *cache_v, const int64_t *slots, int64_t T, int H, int KVH, int D);
-typedef void (*decode_fn)(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                          const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
-                          const int64_t *rows, uint16_t *out, int n, int H, int KVH, int D, int BS, float scale,
-                          int window, int64_t q_stride);
-typedef void (*int4_fn)(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz,
-                        int64_t G, int64_t N_pad, int64_t n_out, uint16_t *out);
-typedef void (*silu_mul_fn)(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
-typedef void (*prefill_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int64_t *block_tables, int64_t max_blocks, const int64_t *q_starts,
-                           const int64_t *q_lens, const int64_t *seq_lens, int n, uint16_t *out, int H, int KVH,
-                           int D, int BS, float scale, int window, uint16_t *vt);
+/* The kernels are called through pointers of their own prototypes (pagedllm_kernels.h); a backend with the same
+ * ABI as amx_linear_bf16 (modes 0-3) can stand in as `linear`. */
+typedef __typeof__(&amx_linear_bf16) linear_fn;
+typedef __typeof__(&add_rms_norm_bf16) rms_fn;
+typedef __typeof__(&rope_cache_bf16) rope_fn;
+typedef __typeof__(&paged_decode_bf16) decode_fn;
+typedef __typeof__(&int4_gemv_bf16) int4_fn;
+typedef __typeof__(&silu_mul_bf16) silu_mul_fn;
+typedef __typeof__(&amx_prefill_attention_bf16) prefill_fn;
 
 /* One linear layer: kind 0 = packed for the AMX kernel (w, fp32 bias or NULL); kind 1 = int4 groups for
  * int4_gemv_bf16 (w = packed codes, sz = scales and zeros, group, n_pad rows packed, no bias). */
@@ -52,7 +44,7 @@ typedef struct {
     int64_t window;                       /* sliding window (tokens), 0 = none */
 } stack_layer_t;
 
-typedef struct {
+typedef struct stack_model {
     int64_t num_layers, hidden, H, KVH, D, inter, BS;
     float eps, scale;
     linear_fn linear;
@@ -65,7 +57,7 @@ typedef struct {
     const stack_layer_t *layers;
 } stack_model_t;
 
-typedef struct {
+typedef struct stack_step {
     int64_t T;
     const uint16_t *x;                  /* [T, hidden]: the embeddings (not written) */
     uint16_t *x_out, *res_out;          /* [T, hidden] each: the last layer's output and residual */

@@ -31,7 +31,8 @@
 #include <string.h>
 
 #include "simd.h"                      /* exp16, store16_bf16_bits */
-#include "../../layers/csrc/amx.h"     /* config_tiles_16x64 */
+#include "amx.h"   /* config_tiles_16x64 */
+#include "pagedllm_kernels.h"
 
 static inline int64_t pad32(int64_t x) { return (x + 31) & ~(int64_t)31; }
 

@@ -1,0 +1,53 @@
+"""Every environment variable pagedllm reads, in one place: name, default and meaning.
+
+Only this module reads them (``get`` / ``flag``, as vLLM's ``envs.py``). The kernel switches are read once, at
+start-up, into the frozen ``pagedllm.kernels.KernelConfig`` carried in ``EngineConfig``, so no hot path reads the
+environment and a test changes them by passing a ``KernelConfig``, not by setting a variable. This module imports
+nothing heavy (no torch), so the CLI can use it before torch starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: Optional[str]
+    meaning: str
+
+
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
+    # Kernels (resolved into pagedllm.kernels.KernelConfig at start-up; README "CPU kernels and ISA levels").
+    EnvVar("PAGEDLLM_CPU_ISA", None,
+           "Force a lower ISA level for our kernels: amx | avx512_bf16 | avx2 | none (default: the best level this "
+           "CPU supports; a level above it is an error). Same as --cpu-isa / LLM(cpu_isa=...)."),
+    EnvVar("PAGEDLLM_CPU_KERNELS", "1", "0: load no C library at all (as level none: pure torch paths)."),
+    EnvVar("PAGEDLLM_AMX_ATTENTION", "1", "0: no AMX attention (prefill kernel and the decode kernel's AMX score pass)."),
+    EnvVar("PAGEDLLM_AMX_LINEAR", "1", "0: bf16 linears don't use the AMX kernel (the next backend of the level)."),
+    EnvVar("PAGEDLLM_PACK_WEIGHTS", "1", "0: keep plain bf16 weights (F.linear) instead of packing them at load."),
+    EnvVar("PAGEDLLM_FUSED_STACK", "1", "0: run the model's Python layer loop instead of the fused C loop."),
+    EnvVar("PAGEDLLM_HUGEPAGES", "0", "1: KV caches in one huge-page-advised mapping (Linux)."),
+    EnvVar("PAGEDLLM_BATCH_INVARIANT", "1",
+           "0: let kernels choose their algorithm by the number of rows of a call (faster int4/int8 at some batch "
+           "sizes, but a request's greedy output may then depend on the requests batched with it)."),
+    # Files and tools.
+    EnvVar("PAGEDLLM_CACHE_DIR", None, "Folder for assembled model files and built kernels (default ~/.cache/pagedllm)."),
+    EnvVar("PAGEDLLM_TOKENIZER_CACHE", "1", "0: don't keep converted GGUF tokenizers on disk."),
+    EnvVar("PAGEDLLM_API_KEY", None, "Default of serve --api-key."),
+    EnvVar("PAGEDLLM_PEERS_DIR", None, "Folder of the benchmark peers (default .peers/ in the checkout)."),
+    EnvVar("CC", "gcc", "C compiler for the kernels."),
+)}
+
+def get(name: str) -> Optional[str]:
+    """The value of ``name`` (one of ``ENV_VARS``, else ``KeyError``) from the environment, else its default."""
+    return os.environ.get(name, ENV_VARS[name].default)
+
+
+def flag(name: str) -> bool:
+    """``get(name)`` as a boolean: anything but ``0``, ``false``, ``no``, ``off`` or empty is true."""
+    v = get(name)
+    return v is not None and v.strip().lower() not in ("0", "false", "no", "off", "")

@@ -1,0 +1,155 @@
+"""ISA levels and the frozen ``KernelConfig``: which of our kernels may run in this process, resolved once.
+
+Levels, best first (``LEVELS``); a CPU gets the best one whose flags (``/proc/cpuinfo``) it reports:
+
+| level | CPU flags required | e.g. |
+|---|---|---|
+| ``amx`` | ``avx512_bf16`` level + ``amx_tile``, ``amx_bf16`` | Sapphire Rapids and later |
+| ``avx512_bf16`` | ``avx512f/bw/vl/dq/cd`` + ``avx512_bf16`` | Zen 4/5, Cooper Lake |
+| ``avx2`` | x86-64-v3: ``avx2 fma f16c bmi1 bmi2 movbe abm`` | Haswell..Skylake client, Zen 2/3; Ice Lake and Skylake-SP |
+| ``none`` | anything else (ARM, older x86) | pure torch, no C library |
+
+Ice Lake (and Skylake-SP / Cascade Lake) has AVX-512 and VNNI but no AVX512-BF16: it runs at ``avx2``, where every
+kernel has a path (our AVX-512 paths all assume native bf16 conversions, and the AVX-512 int4/int8 VNNI kernels
+need AVX512-BF16 as well).
+
+A lower level is forced with ``PAGEDLLM_CPU_ISA`` / ``--cpu-isa`` / ``LLM(cpu_isa=...)``, so one machine tests every
+level it can run; asking for a level above the CPU's is a ``ValueError``. Below ``amx`` no AMX instruction of ours
+runs; at ``avx2`` our libraries are compiled for x86-64-v3, so none of their instructions is AVX-512; at ``none`` no
+C library is loaded. ``level_environ`` also caps oneDNN and ATen at the level, for processes that start with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Optional
+
+from pagedllm import envs
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ("amx", "avx512_bf16", "avx2", "none")  # best first
+
+_V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+_AVX512_BF16 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}) | _V3
+_REQUIRED = {
+    "amx": _AVX512_BF16 | {"amx_tile", "amx_bf16"},
+    "avx512_bf16": _AVX512_BF16,
+    "avx2": _V3,
+    "none": frozenset(),
+}
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (e.g. ``{"avx512_bf16", "amx_tile", ...}``); empty if
+    unreadable (not Linux): then the level is ``none``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def detect_level(flags: Optional[frozenset] = None) -> str:
+    """The best level of ``LEVELS`` whose required flags are all in ``flags`` (default: this CPU's)."""
+    import platform
+
+    flags = cpu_flags() if flags is None else flags
+    if platform.machine().lower() not in ("x86_64", "amd64") and flags is cpu_flags():
+        return "none"
+    return next(level for level in LEVELS if _REQUIRED[level] <= flags)
+
+
+def supported_levels(flags: Optional[frozenset] = None) -> tuple[str, ...]:
+    """Every level this CPU can run, best first (``amx`` CPU: all four; Zen 4: avx512_bf16, avx2, none)."""
+    return LEVELS[LEVELS.index(detect_level(flags)):]
+
+
+def level_at_least(level: str, floor: str) -> bool:
+    return LEVELS.index(level) <= LEVELS.index(floor)
+
+
+def check_level(requested: Optional[str], flags: Optional[frozenset] = None) -> str:
+    """``requested`` (None or "auto": the detected level) validated against the CPU.
+
+    Raises:
+        ValueError: an unknown level, or one above what this CPU supports (naming its flags' best level).
+    """
+    best = detect_level(flags)
+    if requested is None or requested == "auto" or requested == "":
+        return best
+    if requested not in LEVELS:
+        raise ValueError(f"cpu_isa must be one of auto, {', '.join(LEVELS)}; got {requested!r}.")
+    if not level_at_least(best, requested):
+        raise ValueError(f"cpu_isa={requested!r} is above what this CPU supports (its best level is {best!r}; "
+                         f"supported: {', '.join(supported_levels(flags))}).")
+    return requested
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels run. ``level`` is one of ``LEVELS``; the switches can only turn paths off (see ``envs``).
+
+    ``batch_invariant``: every kernel computes a row the same way whatever else shares its call (kernels pick no
+    algorithm by the number of rows), so a request's output doesn't depend on its neighbours. True by default.
+    """
+
+    level: str = "none"
+    cpu_kernels: bool = True  # False: no C library at all (as level none)
+    amx_attention: bool = True
+    amx_linear: bool = True
+    pack_weights: bool = True
+    fused_stack: bool = True
+    hugepages: bool = False
+    batch_invariant: bool = True
+
+    @property
+    def native(self) -> bool:
+        """Whether C libraries may load (level above ``none`` and ``cpu_kernels`` on)."""
+        return self.cpu_kernels and self.level != "none"
+
+    @property
+    def amx(self) -> bool:
+        """Whether AMX code of ours may run (the OS must still grant the tile state: ``kernels.amx_lib``)."""
+        return self.native and self.level == "amx"
+
+    def with_level(self, level: str) -> "KernelConfig":
+        return replace(self, level=check_level(level))
+
+    def describe(self) -> str:
+        off = [n for n in ("cpu_kernels", "amx_attention", "amx_linear", "pack_weights", "fused_stack",
+                           "batch_invariant") if not getattr(self, n)]
+        return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
+                + (", hugepages" if self.hugepages else ""))
+
+    @classmethod
+    def from_env(cls, cpu_isa: Optional[str] = None) -> "KernelConfig":
+        """Resolved from ``cpu_isa`` (else ``PAGEDLLM_CPU_ISA``, else the detected level) and the switches in
+        ``envs``. Raises ``ValueError`` for a level the CPU can't run."""
+        level = check_level(cpu_isa if cpu_isa not in (None, "", "auto") else envs.get("PAGEDLLM_CPU_ISA"))
+        return cls(level=level, cpu_kernels=envs.flag("PAGEDLLM_CPU_KERNELS"),
+                   amx_attention=envs.flag("PAGEDLLM_AMX_ATTENTION"), amx_linear=envs.flag("PAGEDLLM_AMX_LINEAR"),
+                   pack_weights=envs.flag("PAGEDLLM_PACK_WEIGHTS"), fused_stack=envs.flag("PAGEDLLM_FUSED_STACK"),
+                   hugepages=envs.flag("PAGEDLLM_HUGEPAGES"), batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"))
+
+
+# oneDNN (torch's bf16 matmuls) and ATen's vectorized kernels read these once, when first used: a process that sets
+# them before torch runs an op (the CLI, test subprocesses) keeps torch at the level too.
+_TORCH_ENV = {
+    "avx512_bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2", "ATEN_CPU_CAPABILITY": "avx2"},
+}
+
+
+def level_environ(level: str) -> dict[str, str]:
+    """Environment variables for a process that should run at ``level`` (ours and torch's), e.g. for
+    ``subprocess.run(env={**os.environ, **level_environ("avx2")})``."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown ISA level {level!r}")
+    return {"PAGEDLLM_CPU_ISA": level, **_TORCH_ENV.get(level, {})}

@@ -1,0 +1,356 @@
+/* bf16 linear layers without AMX: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), the ABI and output modes of
+ * amx_linear.c (so PackedLinear and the fused layer loop take either), for CPUs with AVX512-BF16 (AMD Zen 4/5,
+ * Intel Cooper Lake and later), with AVX2 + FMA, or neither (scalar C). The level is chosen when the file is compiled
+ * (__AVX512BF16__, then __AVX2__ && __FMA__, else scalar); dpbf16_supported() says which one was built.
+ *
+ * Why: at decode sizes a linear layer is a stream of its weights; oneDNN's packed bf16 matmul reads them at well
+ * under the memory bandwidth there (issue 17: ~1.7x slower than a sequential stream), and its results depend on the
+ * number of rows (its blocking, hence its reduction order, changes with M).
+ *
+ * Packed layout (dpbf16_pack): N is cut into blocks of 64 output columns (the last one 32 when N % 64 == 32),
+ * each block's weights stored contiguously, K pair by K pair: for pair p, the block's nv (4 or 2) vectors of 16
+ * columns, each 16 x (2 K values) in the pair-interleaved order VDPBF16PS multiplies:
+ *   P[block b][p][v][2c + q] = W[64 b + 16 v + c][2 p + q].
+ * One thread's share of blocks is one sequential stream. Gated MLPs (W = [gate; up]): the caller interleaves the
+ * halves 16 rows at a time (as for the AMX kernel), so a block's vectors are gate, up, gate, up of two 32-column
+ * groups; modes 1 and 2 write them back as amx_linear.c does.
+ *
+ * Numerics, the same for every M (batch invariance): each output element has one float32 accumulator, summed over
+ * K in order, pair by pair (VDPBF16PS: acc += x[2p] w[2p] + x[2p+1] w[2p+1], the bf16 products exact; AVX2 and
+ * scalar: acc = fma(x[2p], w[2p], acc), then the same for 2p + 1), whatever the row blocking or thread split. Then
+ * + bias (float32) and one rounding to bf16 (round to nearest even); mode 3 writes the float32 sums + bias.
+ * VDPBF16PS (Intel SDM vol. 2, "VDPBF16PS") treats denormal inputs as zero and flushes denormal results.
+ *
+ * Compute: rows go in blocks of MR (6 on AVX-512: 6 rows x 4 vectors = 24 accumulators + 4 weight registers), the
+ * weights of a column block are read once per row block (from L1/L2 after the first). Work units are (a range of
+ * column blocks) x (up to UNIT_ROWS rows), taken dynamically by the OpenMP threads; at decode sizes (M <= UNIT_ROWS)
+ * one contiguous range per thread, so each thread streams its weights in order.
+ * Requires N % 32 == 0 and K % 2 == 0 (the caller checks N % 32 and K % 32).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "pagedllm_kernels.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define DP_LEVEL 2
+#define MR 6
+#include <immintrin.h>
+#include "simd.h" /* silu16, round16_bf16, store16_bf16_bits: as cpu_ops.c's silu_mul */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DP_LEVEL 1
+#define MR 4
+#include <immintrin.h>
+#else
+#define DP_LEVEL 0
+#define MR 4
+#endif
+
+#define UNIT_ROWS 96                    /* rows of one work unit: 96 x K bf16 stays in L2 with a weight block */
+#define UNIT_WEIGHT_BYTES (256 * 1024)  /* weights of one work unit (at most) when M > UNIT_ROWS, bytes */
+#define KC 128                          /* K pairs of one pass over the rows: 16 KB of a block's weights */
+#define PF_PAIRS 64                     /* weights prefetched this many K pairs ahead (8 KB of a 64-column block) */
+
+/* 2: AVX512-BF16 kernels, 1: AVX2 + FMA, 0: scalar C. */
+int dpbf16_supported(void) { return DP_LEVEL; }
+
+/* Column blocks of N: 64 columns each, the last one 32 when N % 64 == 32. */
+static inline int64_t num_blocks(int64_t N) { return (N + 63) / 64; }
+static inline int block_nv(int64_t N, int64_t b) { return 64 * b + 64 <= N ? 4 : 2; }
+
+/* W [N, K] bf16 row-major -> P (N * K bf16) in the layout above. */
+void dpbf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *P) {
+    const int64_t NB = num_blocks(N);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < NB; b++) {
+        const int nv = block_nv(N, b);
+        uint16_t *dst = P + 64 * b * K;
+        for (int64_t p = 0; p < K / 2; p++)
+            for (int v = 0; v < nv; v++)
+                for (int c = 0; c < 16; c++) {
+                    const uint16_t *src = W + (64 * b + 16 * v + c) * K + 2 * p;
+                    dst[(p * nv + v) * 32 + 2 * c] = src[0];
+                    dst[(p * nv + v) * 32 + 2 * c + 1] = src[1];
+                }
+    }
+}
+
+/* Where the 16 results of vector v of block b go (an element offset in the output row) and whether it is a gate
+ * vector, for `mode`; ldo: the output row stride (elements). */
+static inline int64_t out_col(int64_t N, int64_t b, int v, int mode) {
+    if (mode == 0 || mode == 3) return 64 * b + 16 * v;
+    const int64_t g = 2 * b + v / 2; /* the 32-column group: 16 gate rows, then 16 up rows */
+    if (mode == 1) return (v & 1) ? N / 2 + 16 * g : 16 * g;
+    return 16 * g; /* mode 2: silu(gate) * up */
+}
+
+#if DP_LEVEL == 2
+/* rows [0, mr) of x (row stride K) x block weights wb (nv vectors a pair) -> emitted into out rows. */
+static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
+                                                               const int nv, const int mr, int64_t p0, int64_t p1,
+                                                               float *ab, int first, int last, int pf,
+                                                               const float *bias, void *out, int64_t ldo, int64_t N,
+                                                               int64_t b, int mode) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(ab + 64 * r + 16 * v);
+    for (int64_t p = p0; p < p1; p++) {
+        __m512i w[4];
+        for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
+        if (pf) /* the first pass over these weights: fetch ahead (past the block's end: the next block's) */
+            for (int v = 0; v < nv; v++)
+                _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T0);
+        for (int r = 0; r < mr; r++) {
+            int32_t xp;
+            memcpy(&xp, x + r * K + 2 * p, 4);
+            const __m512i xb = _mm512_set1_epi32(xp);
+            for (int v = 0; v < nv; v++)
+                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)xb, (__m512bh)w[v]);
+        }
+    }
+    if (!last) {
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < nv; v++) _mm512_store_ps(ab + 64 * r + 16 * v, acc[r][v]);
+        return;
+    }
+    const float *bb = bias ? bias + 64 * b : NULL;
+    for (int r = 0; r < mr; r++) {
+        if (mode == 2) {
+            uint16_t *o = (uint16_t *)out + r * ldo;
+            for (int v = 0; v < nv; v += 2) {
+                const __m512 bg = bb ? _mm512_loadu_ps(bb + 16 * v) : _mm512_setzero_ps();
+                const __m512 bu = bb ? _mm512_loadu_ps(bb + 16 * v + 16) : _mm512_setzero_ps();
+                const __m512 gv = round16_bf16(_mm512_add_ps(acc[r][v], bg));
+                const __m512 uv = round16_bf16(_mm512_add_ps(acc[r][v + 1], bu));
+                const __m512 s = round16_bf16(silu16(gv));
+                _mm256_storeu_si256((__m256i *)(o + out_col(N, b, v, 2)), store16_bf16_bits(_mm512_mul_ps(s, uv)));
+            }
+            continue;
+        }
+        for (int v = 0; v < nv; v++) {
+            const __m512 y = _mm512_add_ps(acc[r][v], bb ? _mm512_loadu_ps(bb + 16 * v) : _mm512_setzero_ps());
+            const int64_t col = out_col(N, b, v, mode);
+            if (mode == 3)
+                _mm512_storeu_ps((float *)out + r * ldo + col, y);
+            else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * ldo + col), store16_bf16_bits(y));
+        }
+    }
+}
+#elif DP_LEVEL == 1
+/* bf16 pairs (8 columns x 2) -> the 8 even (K index 2p) and 8 odd (2p + 1) weights as float32. */
+static inline __m256 even8(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+static inline __m256 odd8(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* Round to nearest even float32 -> bf16 of 8 lanes (as f32_to_bf16). */
+static inline __m128i store8_bf16_bits(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+static inline __m256 round8_bf16(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(store8_bf16_bits(v)), 16));
+}
+/* exp(x), x <= 0, as simd.h's exp16 (same polynomial; 2^n built in the exponent field instead of scalef). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline __m256 silu8(__m256 g) {
+    const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* rows [0, mr) x the block's vectors [v0, v0 + nsv) (16 columns each; nv a pair in the layout). */
+static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_t *x, int64_t K, const uint16_t *wb,
+                                                                    int nv, const int v0, const int nsv, const int mr,
+                                                                    int64_t p0, int64_t p1, float *ab, int first,
+                                                                    int last, const float *bias, void *out,
+                                                                    int64_t ldo, int64_t N, int64_t b, int mode) {
+    __m256 acc[MR][8]; /* [row][2 v + half] */
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2 * nsv; h++)
+            acc[r][h] = first ? _mm256_setzero_ps() : _mm256_load_ps(ab + 64 * r + 16 * v0 + 8 * h);
+    for (int64_t p = p0; p < p1; p++) {
+        const uint16_t *wp = wb + (p * nv + v0) * 32;
+        for (int h = 0; h < 2 * nsv; h++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wp + 16 * h));
+            const __m256 we = even8(w), wo = odd8(w);
+            for (int r = 0; r < mr; r++) {
+                const __m256 xe = _mm256_set1_ps(bf16_to_f32(x[r * K + 2 * p]));
+                const __m256 xo = _mm256_set1_ps(bf16_to_f32(x[r * K + 2 * p + 1]));
+                acc[r][h] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[r][h]));
+            }
+        }
+    }
+    if (!last) {
+        for (int r = 0; r < mr; r++)
+            for (int h = 0; h < 2 * nsv; h++) _mm256_store_ps(ab + 64 * r + 16 * v0 + 8 * h, acc[r][h]);
+        return;
+    }
+    const float *bb = bias ? bias + 64 * b : NULL;
+    for (int r = 0; r < mr; r++)
+        for (int vv = 0; vv < nsv; vv++) {
+            const int v = v0 + vv;
+            for (int h = 0; h < 2; h++) {
+                const int c = 16 * v + 8 * h;
+                const __m256 y = _mm256_add_ps(acc[r][2 * vv + h], bb ? _mm256_loadu_ps(bb + c) : _mm256_setzero_ps());
+                if (mode == 2) {
+                    if (v & 1) { /* the up vector; its gate is vector v - 1, of the same call (nsv even) */
+                        const __m256 bg = bb ? _mm256_loadu_ps(bb + c - 16) : _mm256_setzero_ps();
+                        const __m256 gv = round8_bf16(_mm256_add_ps(acc[r][2 * (vv - 1) + h], bg));
+                        const __m256 s = round8_bf16(silu8(gv));
+                        uint16_t *o = (uint16_t *)out + r * ldo + out_col(N, b, v, 2) + 8 * h;
+                        _mm_storeu_si128((__m128i *)o, store8_bf16_bits(_mm256_mul_ps(s, round8_bf16(y))));
+                    }
+                } else if (mode == 3) {
+                    _mm256_storeu_ps((float *)out + r * ldo + out_col(N, b, v, mode) + 8 * h, y);
+                } else {
+                    uint16_t *o = (uint16_t *)out + r * ldo + out_col(N, b, v, mode) + 8 * h;
+                    _mm_storeu_si128((__m128i *)o, store8_bf16_bits(y));
+                }
+            }
+        }
+}
+/* One row: the whole block at once (8 accumulators); several rows: two 16-column vectors at a time (a gate/up pair)
+ * for MR rows (8 accumulators). Either way each element's sum runs over K in the same order. */
+static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
+                                                               const int nv, const int mr, int64_t p0, int64_t p1,
+                                                               float *ab, int first, int last, int pf,
+                                                               const float *bias, void *out, int64_t ldo, int64_t N,
+                                                               int64_t b, int mode) {
+    (void)pf;
+    if (mr == 1) {
+        kernel_rows_part(x, K, wb, nv, 0, nv, 1, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
+    } else {
+        for (int v0 = 0; v0 < nv; v0 += 2)
+            kernel_rows_part(x, K, wb, nv, v0, 2, mr, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
+    }
+}
+#else
+/* Scalar: one row of one block, element by element (one out-of-line function, so every element is summed by the
+ * same code whatever M). acc [nv * 16]. */
+static __attribute__((noinline)) void row_sums(const uint16_t *x, int64_t p0, int64_t p1, const uint16_t *wb,
+                                                int nv, float *acc) {
+    for (int j = 0; j < 16 * nv; j++) {
+        const int v = j / 16, c = j % 16;
+        float a = acc[j];
+        for (int64_t p = p0; p < p1; p++) {
+            const uint16_t *w = wb + (p * nv + v) * 32 + 2 * c;
+            a = fmaf(bf16_to_f32(x[2 * p]), bf16_to_f32(w[0]), a);
+            a = fmaf(bf16_to_f32(x[2 * p + 1]), bf16_to_f32(w[1]), a);
+        }
+        acc[j] = a;
+    }
+}
+static void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb, const int nv, const int mr, int64_t p0,
+                        int64_t p1, float *ab, int first, int last, int pf, const float *bias, void *out, int64_t ldo,
+                        int64_t N, int64_t b, int mode) {
+    (void)pf;
+    const float *bb = bias ? bias + 64 * b : NULL;
+    for (int r = 0; r < mr; r++) {
+        float *acc = ab + 64 * r;
+        if (first) memset(acc, 0, 64 * sizeof(float));
+        row_sums(x + r * K, p0, p1, wb, nv, acc);
+        if (!last) continue;
+        for (int j = 0; j < 16 * nv; j++) acc[j] += bb ? bb[j] : 0.f;
+        for (int v = 0; v < nv; v++) {
+            const int64_t col = out_col(N, b, v, mode);
+            for (int c = 0; c < 16; c++) {
+                const float y = acc[16 * v + c];
+                if (mode == 3) {
+                    ((float *)out)[r * ldo + col + c] = y;
+                } else if (mode == 2) {
+                    if (v & 1) {
+                        const float g = round_bf16(acc[16 * (v - 1) + c]);
+                        const float s = round_bf16(g / (1.0f + expf(-g)));
+                        ((uint16_t *)out)[r * ldo + col + c] = f32_to_bf16(s * round_bf16(y));
+                    }
+                } else {
+                    ((uint16_t *)out)[r * ldo + col + c] = f32_to_bf16(y);
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* Rows [m0, m1) (at most UNIT_ROWS) of block b: K in chunks of KC pairs (their weights stay in L1 while every row
+ * block passes, the partial sums wait in float32 in `ab`, so each element is still summed in K order); the row blocks
+ * of MR rows, the last one shorter (each size its own unrolled kernel). */
+static void block_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t K, const uint16_t *P, int64_t N,
+                       int64_t b, const float *bias, void *out, int mode) {
+    const int nv = block_nv(N, b);
+    const uint16_t *wb = P + 64 * b * K;
+    const int64_t ldo = mode == 2 ? N / 2 : N;
+    const int64_t esz = mode == 3 ? 4 : 2;
+    const int64_t KP = K / 2;
+    float ab[UNIT_ROWS * 64] __attribute__((aligned(64)));
+    for (int64_t p0 = 0; p0 < KP; p0 += KC) {
+    const int64_t p1 = p0 + KC < KP ? p0 + KC : KP;
+    const int first = p0 == 0, last = p1 == KP;
+    for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+        const uint16_t *xm = x + m * K;
+        void *om = (char *)out + m * ldo * esz;
+        float *am = ab + (m - m0) * 64;
+#define KR(NV, R) kernel_rows(xm, K, wb, NV, R, p0, p1, am, first, last, m == m0, bias, om, ldo, N, b, mode)
+#define KNV(R) \
+    if (nv == 4) KR(4, R); else KR(2, R);
+        switch (mr) {
+            case 1: KNV(1); break;
+            case 2: KNV(2); break;
+            case 3: KNV(3); break;
+#if MR > 4
+            case 4: KNV(4); break;
+            case 5: KNV(5); break;
+            default: KNV(6); break;
+#else
+            default: KNV(4); break;
+#endif
+        }
+#undef KNV
+#undef KR
+    }
+    }
+}
+
+/* x [M, K] bf16 (row stride K), P packed by dpbf16_pack, bias [N] fp32 (in packed row order) or NULL -> out:
+ * mode 0: [M, N] bf16; mode 1 (gated packing): [M, N] bf16 as [gate | up]; mode 2 (gated packing): silu(gate) * up
+ * [M, N / 2] bf16; mode 3: [M, N] float32 (`out` points to float32 memory). */
+void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
+                        void *out, int mode) {
+    const int64_t NB = num_blocks(N);
+    const int nthr = omp_get_max_threads();
+    const int64_t nmc = (M + UNIT_ROWS - 1) / UNIT_ROWS;
+    /* Blocks per unit: decode sizes (one row chunk): one contiguous share per thread; else their weights fit L2. */
+    int64_t bcu = nmc == 1 ? (NB + nthr - 1) / nthr : UNIT_WEIGHT_BYTES / (K * 128);
+    if (bcu < 1) bcu = 1;
+    const int64_t nbc = (NB + bcu - 1) / bcu;
+    const int64_t units = nbc * nmc;
+#pragma omp parallel for schedule(dynamic, 1) if (units > 1)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t b0 = (u / nmc) * bcu, b1 = b0 + bcu < NB ? b0 + bcu : NB;
+        const int64_t mlo = (u % nmc) * UNIT_ROWS, mhi = mlo + UNIT_ROWS < M ? mlo + UNIT_ROWS : M;
+        for (int64_t b = b0; b < b1; b++) block_rows(x, mlo, mhi, K, P, N, b, bias, out, mode);
+    }
+}

@@ -1,0 +1,89 @@
+/* Prototypes of every function pagedllm's C libraries export (pagedllm/kernels/bindings.py binds exactly these;
+ * tests/test_kernels.py checks that the two agree). Every .c file includes this header, so a definition that drifts
+ * from its prototype fails to compile. Functions marked (level: ...) exist only in builds for those ISA levels.
+ *
+ * Conventions: bf16 tensors travel as uint16_t bit patterns; shapes are noted as [rows, cols], row-major. */
+#ifndef PAGEDLLM_KERNELS_H
+#define PAGEDLLM_KERNELS_H
+#include <stdint.h>
+
+/* ---- paged_decode.c: decode attention straight from the paged KV cache ---- */
+void paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, const int64_t *rows,
+                       uint16_t *out, int n, int H, int KVH, int D, int BS, float scale, int window,
+                       int64_t q_stride);
+void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+                      int64_t max_blocks, const int64_t *seq_lens, const int64_t *rows, float *out, int n, int H,
+                      int KVH, int D, int BS, float scale, int window, int64_t q_stride);
+void paged_decode_use_amx(int on); /* no-op below level amx */
+
+/* ---- cpu_ops.c: fused element-wise passes ---- */
+void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                       uint16_t *residual_out, int64_t rows, int64_t H, float eps);
+void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *residual_out,
+                      int64_t rows, int64_t H, float eps);
+void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
+void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t I);
+void argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t cols);
+void argmax_rows_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols);
+void rope_cache_bf16(uint16_t *qkv, int64_t row_stride, const uint16_t *cs, int64_t cs_stride, uint16_t *cache_k,
+                     uint16_t *cache_v, const int64_t *slots, int64_t T, int H, int KVH, int D);
+void rope_cache_f32(float *qkv, int64_t row_stride, const float *cs, int64_t cs_stride, float *cache_k,
+                    float *cache_v, const int64_t *slots, int64_t T, int H, int KVH, int D);
+
+/* ---- amx_linear.c, amx_attention.c (level: amx) ---- */
+int amx_supported(void); /* 1 once Linux granted this process the AMX tile state */
+void amx_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *P);
+/* mode 0: out bf16 [M, N]; 1: gated packing, out bf16 [M, N] as [gate | up]; 2: gated packing, out bf16
+ * silu(gate) * up [M, N / 2]; 3: out float32 [M, N]. bias float32 [N] (packed row order) or NULL. */
+void amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
+                     void *out, int mode);
+void amx_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int64_t *block_tables, int64_t max_blocks,
+                                const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens, int n,
+                                uint16_t *out, int H, int KVH, int D, int BS, float scale, int window,
+                                uint16_t *vt);
+
+/* ---- dpbf16_linear.c: bf16 linears without AMX (VDPBF16PS at avx512_bf16, AVX2 + FMA at avx2), the ABI and modes of
+ * amx_linear_bf16 ---- */
+int dpbf16_supported(void); /* the path compiled in: 2 AVX512-BF16, 1 AVX2 + FMA, 0 scalar */
+void dpbf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *P);
+void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
+                        void *out, int mode);
+
+/* ---- int4_cpu.c: int4 / int8 weight-only matmuls ---- */
+void int4_gemm(const void *x, int64_t M, int64_t K, const uint8_t *packed, const void *sz, int64_t G,
+               int64_t N_pad, int64_t n_out, void *out, int is_bf16);
+void int4_expand(const uint8_t *packed, const void *sz, int64_t K, int64_t G, int64_t N_pad, void *w, int is_bf16);
+void int8_gemm(const void *x, int64_t M, int64_t K, const int8_t *q, const void *scale, int64_t N, void *out,
+               int is_bf16);
+void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N, float *out,
+                 int is_bf16);
+int int4_gemv_bf16_supported(void); /* 1 where the three below exist (AVX512-VNNI, -VBMI and -BF16) */
+void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
+                    int64_t N_pad, int64_t n_out, uint16_t *out);
+void int4_gemv_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz,
+                        int64_t G, int64_t N_pad, int64_t n_out, float *out); /* float32 out (logits) */
+void int8_logits_vnni(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                      float *out, int is_bf16);
+
+/* ---- kquant_cpu.c: GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K blocks as stored (type: the ggml type id) ---- */
+int kq_isa(void); /* the path this build runs: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 scalar */
+/* x [M, K] bf16 / float32 -> 15-bit activations: xhi, xlo int8 [M, K]; xs, xsum32 float [M, K/32]; xsum16 [M, K/16] */
+void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *xhi, int8_t *xlo, float *xs,
+                     float *xsum32, float *xsum16);
+/* out [M, ldo] float32 / bf16, columns 0..N-1 = activations @ W.T with W [N, row_bytes] ggml blocks; -1: bad type */
+int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const int8_t *xhi,
+              const int8_t *xlo, const float *xs, const float *xsum32, const float *xsum16, int64_t M, void *out,
+              int64_t ldo, int out_bf16);
+/* out [n, K] float32 / bf16 = rows ids of W dequantized (gguf's values); -1: bad type */
+int kq_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t n,
+                    void *out, int out_bf16);
+
+/* ---- llama_stack.c: a Llama model's decoder layers in one call (structs: see that file) ---- */
+struct stack_model;
+struct stack_step;
+int64_t stack_scratch_elems(const struct stack_model *m, int64_t T);
+void stack_forward(const struct stack_model *m, const struct stack_step *s);
+
+#endif

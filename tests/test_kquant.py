@@ -1,0 +1,294 @@
+"""GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K executed as stored (``layers/quantization/kquant.py``).
+
+The error bound of the matmul, derived: the weights are the file's values exactly (each dequantized value the
+kernel uses is one of gguf's float32 values, or, for Q4_K / Q5_K, its two exact terms d sc q and dmin m), and the
+integer dot products are exact, so the only approximations are
+  1. the activation rounding: x~_k = xs_b q_k with xs_b = max_b|x| / 16256, |x_k - x~_k| <= 0.504 xs_b
+     (0.5 for the rounding to an integer, the rest for the float32 reciprocal), contributing
+     sum_k |w_k| |x_k - x~_k| <= 0.504 sum_k |w_k| xs_b(k);
+  2. float32 accumulation of at most K / 32 + 8 terms per lane and the hsum: <= (K / 32 + 16) 2^-24 sum_k |w_k x~_k|
+     (each FMA / add rounds once; the scales' products A * xs round once more).
+Below, ``bound = 1 + 2`` and the checks are against ``gguf.quants.dequantize`` + a float64 matmul.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from pagedllm.layers.quantization.kquant import (
+    KQUANT_TYPES,
+    KQuantWeight,
+    dequantize_rows,
+    get_lib,
+    kquant_linear,
+    kquant_matmul,
+    quantize_activations,
+)
+from pagedllm.model_files import gemma3_270m_path, qwen25_05b_path
+from pagedllm.model_loader.gguf_loader import read_gguf_header
+from real_models import smallest_tensor_per_type
+
+TYPES = sorted(KQUANT_TYPES, key=int)
+_F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q5_0: (0,)}
+
+
+def _blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
+    """``[n, row_bytes]`` uint8: gguf's own quantization of random weights where it has one (Q8_0, Q5_0), else
+    random bytes with finite f16 scales (every code, scale and min pattern appears)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q8_0, T.Q5_0):
+        return quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype]:
+        raw[:, off : off + 2] = rng.uniform(1e-4, 3e-3, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _check_bound(x: torch.Tensor, raw: np.ndarray, qtype: T, out_dtype=torch.float32) -> float:
+    """Asserts our ``x @ W.T`` is within the bound of the module docstring; returns max error / bound."""
+    n, k = raw.shape[0], x.shape[1]
+    w64 = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float64))
+    acts = quantize_activations(x)
+    y = kquant_matmul(acts, [KQuantWeight(qtype, k, torch.from_numpy(raw))], out_dtype).double()
+    exact = x.double() @ w64.T
+    xs = acts.xs.double().repeat_interleave(32, dim=1)  # [M, K] block scale per input
+    xq = acts.dequantize().double()
+    bound = 0.504 * xs @ w64.abs().T + (k / 32 + 16) * 2.0**-24 * (xq.abs() @ w64.abs().T)
+    if out_dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0**-8  # one bf16 rounding of the output (half an ulp is 2^-9 relative)
+    err = (y - exact).abs()
+    assert (err <= bound).all(), f"{qtype.name}: max error/bound {(err / bound).max():.3f}"
+    # the activation rounding is the only approximation: against the rounded activations, float32 rounding only
+    acc = (k / 32 + 16) * 2.0**-24 * (xq.abs() @ w64.abs().T) + (exact.abs() * 2.0**-8 if out_dtype == torch.bfloat16
+                                                               else 0)
+    assert ((y - xq @ w64.T).abs() <= acc).all()
+    return float((err / bound).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_within_activation_rounding_bound(qtype, x_dtype):
+    k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 96
+    raw = _blocks(qtype, 67, k, seed=int(qtype))
+    x = torch.randn(37, k, dtype=x_dtype)
+    x[3] *= 1e3  # rows and blocks of very different magnitudes
+    x[5, :32] = 0  # an all-zero block (scale 0)
+    _check_bound(x.float() if x_dtype == torch.float32 else x, raw, qtype)
+    _check_bound(x, raw, qtype, torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_batch_invariance(qtype):
+    """A row's result is the same bits whether it is alone in the call or one of 37 (and at any position)."""
+    k = 768 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 160
+    w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 45, k, seed=1)))
+    x = torch.randn(37, k).bfloat16()
+    for out_dtype in (torch.float32, torch.bfloat16):
+        full = kquant_linear(x, [w], out_dtype)
+        for i in (0, 5, 35, 36):
+            assert torch.equal(kquant_linear(x[i : i + 1], [w], out_dtype)[0], full[i])
+        for m in (2, 3, 4, 5, 9):
+            assert torch.equal(kquant_linear(x[10 : 10 + m], [w], out_dtype), full[10 : 10 + m])
+
+
+def _build_for(tmp_path, march: str) -> ctypes.CDLL:
+    """The kquant library compiled for ``-march=<march>`` (the binding table's flags and functions), to run the
+    code paths this CPU's own levels don't select."""
+    from pagedllm.kernels.bindings import LIBRARIES
+    from pagedllm.kernels.build import CSRC
+
+    spec = LIBRARIES["kquant"]
+    so = str(tmp_path / f"kquant-{march}.so")
+    subprocess.run([os.environ.get("CC", "gcc"), *spec.flags, f"-march={march}", "-shared", "-fPIC",
+                    *(os.path.join(CSRC, s) for s in spec.sources), "-o", so, "-lm"], check=True)
+    lib = ctypes.CDLL(so)
+    for name, fn in spec.functions.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = list(fn.argtypes), fn.restype
+    return lib
+
+
+def test_every_isa_gives_the_same_bits(tmp_path):
+    """The scalar build, plain AVX2 (vpmaddubsw), and every level this CPU runs (avx2 with AVX-VNNI where the CPU
+    has it, the AVX-512 levels with AVX512-VNNI) agree bit for bit: the integer sums are exact and the float
+    operations run in the same order on every path."""
+    from pagedllm import kernels
+
+    libs = {"scalar": _build_for(tmp_path, "x86-64"), "plain_avx2": _build_for(tmp_path, "x86-64-v3")}
+    for level in kernels.supported_levels():
+        if level != "none":
+            libs[level] = kernels.load("kquant", level)
+    assert all(lib is not None for lib in libs.values()), libs
+    assert (libs["scalar"].kq_isa(), libs["plain_avx2"].kq_isa()) == (0, 1)
+    assert len({lib.kq_isa() for lib in libs.values()}) >= 3  # at least scalar, AVX2 and a VNNI path compared
+    for qtype in TYPES:
+        k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 128
+        w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 21, k, seed=2)))
+        x = torch.randn(6, k).bfloat16()
+        ys = {name: kquant_linear(x, [w], torch.float32, lib=lib) for name, lib in libs.items()}
+        for name, y in ys.items():
+            assert torch.equal(y, ys["scalar"]), (qtype.name, name)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_equal_gguf(qtype):
+    k = 512
+    raw = _blocks(qtype, 40, k, seed=3)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(40, k).astype(np.float32))
+    w = KQuantWeight(qtype, k, torch.from_numpy(raw))
+    ids = torch.tensor([7, 0, 39, 7])
+    assert torch.equal(dequantize_rows(w, ids, torch.float32), ref[ids])
+    assert torch.equal(dequantize_rows(w, ids, torch.bfloat16), ref[ids].bfloat16())
+    assert torch.equal(w.dequantize(), ref)
+    with pytest.raises(IndexError):
+        dequantize_rows(w, torch.tensor([40]), torch.float32)
+
+
+def test_fused_shards_of_different_types_write_their_columns():
+    k = 256
+    parts = [(T.Q4_K, 24), (T.Q6_K, 8), (T.Q8_0, 16), (T.Q5_0, 8)]
+    raws = [_blocks(t, n, k, seed=i) for i, (t, n) in enumerate(parts)]
+    ws = [KQuantWeight(t, k, torch.from_numpy(r)) for (t, _), r in zip(parts, raws)]
+    x = torch.randn(3, k)
+    y = kquant_linear(x, ws)
+    assert torch.equal(y, torch.cat([kquant_linear(x, [w]) for w in ws], dim=1))
+
+
+@pytest.mark.parametrize("path_fn", [qwen25_05b_path, gemma3_270m_path], ids=["qwen25_05b", "gemma3_270m"])
+def test_real_tensors_within_bound(path_fn):
+    """One real tensor per kept-as-stored type from each shipped GGUF (the smallest of its type)."""
+    path = path_fn()
+    raw_file = np.memmap(path, dtype=np.uint8, mode="r")
+    types = smallest_tensor_per_type(path)
+    seen = []
+    for name, info in types.items():
+        if info.ggml_type not in KQUANT_TYPES:
+            continue
+        n, k = info.shape
+        raw = np.array(raw_file[info.offset : info.offset + info.nbytes]).reshape(n, -1)
+        x = torch.randn(5, k).bfloat16()
+        _check_bound(x, raw, info.ggml_type)
+        w = KQuantWeight(info.ggml_type, k, torch.from_numpy(raw))
+        ids = torch.tensor([0, n - 1, n // 2])
+        ref = torch.from_numpy(dequantize(raw[ids.numpy()], info.ggml_type).astype(np.float32))
+        assert torch.equal(dequantize_rows(w, ids, torch.float32), ref)
+        seen.append(name)
+    assert set(seen) >= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}, seen
+
+
+# ---------------------------------------------------------------- real models: greedy and memory
+
+
+def _load(path: str, quantization: str):
+    from pagedllm.entrypoints.llm import LLM
+
+    return LLM(path, dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=256, quantization=quantization)
+
+
+def _weight_bytes(model) -> tuple[int, int]:
+    """(bytes of the model's weights: every parameter and the quantized modules' tensors, bytes of the latter),
+    each tensor counted once. Other buffers (rotary cos/sin tables sized by the context length) are not weights."""
+    from pagedllm.layers.quantization import QuantEmbedding, QuantLinear
+
+    quant = {t.data_ptr(): t.numel() * t.element_size() for m in model.modules()
+             if isinstance(m, (QuantLinear, QuantEmbedding)) for t in m.buffers(recurse=False)}
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum({**params, **quant}.values()), sum(quant.values())
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+PROMPTS = ["The capital of France is", "def quicksort(arr):\n", "Water boils at a temperature of"]
+NEAR_TIE = 0.05  # logits: a divergence is accepted only where the float32 model's top two are this close
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path_fn", [qwen25_05b_path, gemma3_270m_path], ids=["qwen25_05b", "gemma3_270m"])
+def test_real_model_greedy_equals_dequantized_float32_and_memory(path_fn):
+    from pagedllm.sampling_params import SamplingParams
+    from real_models import prefill_logits
+
+    path = path_fn()
+    t0 = time.perf_counter()
+    quant = _load(path, "gguf")
+    load_s = time.perf_counter() - t0
+    qm = quant.llm_engine.engine_core.runner.model
+    assert {m.kind for m in qm.quant_modules.values()} == {"kquant"}
+    # memory: the quantized tensors are the file's bytes, nothing added; all weights within 1.05x the file's tensor
+    # bytes (the rest: float32 norms / biases, which the file stores too)
+    header = read_gguf_header(path)
+    quant_file = sum(t.nbytes for t in header.tensors.values() if t.ggml_type in KQUANT_TYPES)
+    all_file = sum(t.nbytes for t in header.tensors.values())
+    total, in_quant = _weight_bytes(qm)
+    print(f"{path.rsplit('/', 1)[-1]}: load {load_s:.1f} s; quantized tensors {in_quant / 1e6:.1f} MB "
+          f"(file {quant_file / 1e6:.1f} MB), all weights {total / 1e6:.1f} MB (file tensors {all_file / 1e6:.1f} MB), "
+          f"process RSS {_rss_bytes() / 1e6:.0f} MB (file size {os.path.getsize(path) / 1e6:.0f} MB)")
+    assert in_quant == quant_file
+    assert total <= 1.05 * all_file
+
+    dense = _load(path, "none")
+    dm = dense.llm_engine.engine_core.runner.model
+    assert not dm.quant_modules
+    tok = quant.get_tokenizer()
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ids = [tok.encode(p) for p in PROMPTS]
+    got = [o.outputs[0].token_ids for o in quant.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in dense.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)]
+    for p, g, w in zip(ids, got, want):
+        if g == w:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)
+        logits = prefill_logits(dm, p + g[:i], chunk=len(p) + i)[-1]
+        gap = float(logits[w[i]] - logits[g[i]])
+        print(f"near-tie at token {i}: float32 logits {logits[w[i]]:.4f} (its pick) vs {logits[g[i]]:.4f} (ours)")
+        assert gap < NEAR_TIE, f"divergence at token {i} is not a near-tie (gap {gap:.4f})"
+    print(f"greedy identical for {sum(g == w for g, w in zip(got, want))}/{len(ids)} prompts "
+          f"({time.perf_counter() - t0:.1f} s)")
+
+
+def test_library_is_built():
+    assert get_lib() is not None
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_embedding_and_heads_kept_as_stored(qtype, dtype):
+    """A GGUF embedding table (and tied head) and an untied head stay as stored: the lookup returns gguf's rows
+    (rounded once to the model dtype), both heads give float32 logits within the kquant bound."""
+    from pagedllm.layers.quantization import QuantConfig, QuantEmbedding, QuantLinear
+    from pagedllm.layers.quantization.gguf import GGUFWeight
+
+    n, k = 300, 256
+    raw = _blocks(qtype, n, k, seed=4)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+    emb = QuantEmbedding(n, k, dtype, QuantConfig("gguf"))
+    emb.load_shard(0, "weight", GGUFWeight(qtype, (n, k), torch.from_numpy(raw)))
+    emb.process_weights_after_loading()
+    head = QuantLinear(k, n, True, dtype, QuantConfig("gguf"))
+    head.load_shard(0, "weight", GGUFWeight(qtype, (n, k), torch.from_numpy(raw)))
+    head.process_weights_after_loading()
+    head.bias.data.normal_()
+    assert emb.kind == head.kind == "kquant"
+    assert emb.kq_data.data_ptr() == emb._kq.data.data_ptr()  # the given bytes, not a copy
+    ids = torch.tensor([[3, 299], [0, 3]])
+    got = emb(ids)
+    assert got.shape == (2, 2, k) and got.dtype == dtype and torch.equal(got, ref[ids].to(dtype))
+    x = torch.randn(5, k, dtype=dtype)
+    for logits, bias in ((emb.logits(x), 0), (head.logits(x), head.bias.double())):
+        assert logits.dtype == torch.float32 and logits.shape == (5, n)
+        exact = x.double() @ ref.double().T + bias
+        xs = x.double().abs().view(5, -1, 32).amax(-1).repeat_interleave(32, 1) / 16256
+        bound = 0.504 * xs @ ref.double().abs().T + 2.0**-18 * (x.double().abs() @ ref.double().abs().T) + 1e-6
+        assert ((logits.double() - exact).abs() <= bound).all()
