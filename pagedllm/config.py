@@ -77,6 +77,91 @@ class ParallelConfig:
         return self.world_size > 1 or self.distributed_executor_backend == "external_launcher"
 
 
+SPEC_METHODS = ("ngram",)  # draft_model and self_int4: issue 21, not built yet
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, ``LLM(speculative_config=...)``; vLLM's keys).
+
+    ``method`` ``ngram`` is prompt lookup (Saxena 2023, "Prompt Lookup Decoding"): the last ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens are matched against the request's prompt and output so far and the tokens that
+    followed the match are proposed, at most ``num_speculative_tokens`` of them. vLLM's defaults: when neither bound
+    is given both are 5; when one is given the other equals it.
+
+    ``disable_by_batch_size``: no draft tokens are scheduled in a step that starts with more running requests than
+    this (vLLM's key; unset: never). ``step_token_budget`` (ours): drafts only fill a step up to this many tokens in
+    all, shared evenly: with ``R`` running requests each may verify ``(budget - R) // R`` drafts (budget 8: 7 drafts
+    at 1 request, 3 at 2, 1 at 3-4, none from 5 on). A decode step on a CPU costs about the same up to a few rows
+    (its weights are read once; int4 weights take the integer GEMV kernel up to 8 rows,
+    ``layers/quantization/kernels.py``) and then more per row, so under load speculation steps aside by itself.
+    ``adaptive`` (ours): each request's number of draft tokens follows its recent acceptance
+    (``pagedllm.spec_decode.adaptive``); off: always as many as allowed when a proposal is that long.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: Optional[int] = None
+    adaptive: bool = True
+    step_token_budget: int = 8
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SpeculativeConfig":
+        """Builds the config from vLLM's JSON/dict form (a JSON string is parsed first).
+
+        Raises:
+            ValueError: naming ``speculative_config`` and the bad key (unknown key, wrong type, bad range).
+        """
+        import json
+
+        if isinstance(d, cls):
+            return d
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}.")
+        method = d.get("method", "ngram")
+        if method == "[ngram]":  # vLLM's older spelling
+            method = "ngram"
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {method!r}.")
+
+        def int_key(name: str, lo: int, default: Optional[int]) -> Optional[int]:
+            v = d.get(name, default)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 1 << 20:
+                raise ValueError(f"speculative_config.{name} must be an integer >= {lo}, got {v!r}.")
+            return v
+
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is required.")
+        k = int_key("num_speculative_tokens", 1, None)
+        if k > 64:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most 64, got {k}.")
+        lo = int_key("prompt_lookup_min", 1, None)
+        hi = int_key("prompt_lookup_max", 1, None)
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}.")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   disable_by_batch_size=int_key("disable_by_batch_size", 1, None), adaptive=adaptive,
+                   step_token_budget=int_key("step_token_budget", 2, 8))
 STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
 # The names pagedllm.entrypoints.openai.reasoning registers (a test keeps the two in step).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -163,6 +248,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     limits: InputLimits = field(default_factory=InputLimits)
     # Which CPU kernels run (ISA level and switches), resolved once at start-up; see pagedllm.kernels.config.
@@ -233,6 +319,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
+    speculative_config: Optional[Any] = None  # a dict / JSON string with vLLM's keys (SpeculativeConfig.from_dict)
     structured_outputs_config: Optional[Any] = None  # dict or JSON text, see StructuredOutputsConfig
     reasoning_parser: Optional[str] = None  # deepseek_r1 | qwen3: structured outputs start after </think>
     cpu_isa: Optional[str] = None  # auto (None) | amx | avx512_bf16 | avx2 | none: force a lower kernel ISA level
@@ -334,6 +421,12 @@ class EngineArgs:
 
             chat_template = load_chat_template(self.chat_template)
         kv_bytes = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        speculative = None
+        if self.speculative_config is not None:
+            speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1 or \
+                    self.distributed_executor_backend == "external_launcher":
+                raise ValueError("speculative_config can't be combined with tensor/pipeline parallelism yet.")
         so_config = StructuredOutputsConfig.parse(self.structured_outputs_config, self.reasoning_parser)
         return EngineConfig(
             structured_outputs=so_config,
@@ -374,6 +467,7 @@ class EngineArgs:
                 node_rank=self.node_rank,
                 max_in_flight_batches=self.max_in_flight_batches,
             ),
+            speculative=speculative,
             limits=InputLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(InputLimits)}),
             kernel=kernel,
         )

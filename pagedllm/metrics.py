@@ -90,6 +90,18 @@ class EngineMetrics:
                                                "Number of prefill tokens per request.", tok_buckets)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Number of generation tokens per request.", tok_buckets)
+        # Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens, mean acceptance length
+        # = 1 + accepted / drafts; per position i: drafts whose token i was accepted.
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts",
+                                              "Number of spec decoding drafts (request-steps verifying drafts).").labels(
+            model_name)
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                                    "Number of draft tokens.").labels(model_name)
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens.").labels(model_name)
+        self._spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", ["position"])
+        self._spec_per_pos_children: list = []
         # request_id -> [time of its last token batch, generated tokens so far]; engine thread only.
         self._live: dict[str, list] = {}
 
@@ -143,3 +155,14 @@ class EngineMetrics:
             self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         if stats.prefix_cache_hits:
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        spec = stats.spec_decoding_stats
+        if spec is not None and spec.num_drafts:
+            self.spec_decode_num_drafts.inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            children = self._spec_per_pos_children
+            for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                if pos == len(children):
+                    children.append(self._spec_per_pos.labels(self._model_name, str(pos)))
+                if n:
+                    children[pos].inc(n)

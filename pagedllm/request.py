@@ -41,12 +41,16 @@ class Request:
     ``num_computed_tokens`` counts tokens whose KV is in the cache (or being written this step); only the scheduler
     writes it. ``block_hashes[i]`` is the prefix hash of full block ``i`` of ``all_token_ids`` (filled lazily by the
     KV cache manager).
+
+    ``spec_token_ids``: draft tokens proposed after the last step (speculative decoding), to follow
+    ``all_token_ids``; never part of it until verified. ``spec_acceptance``: the recent share of this request's
+    draft tokens that were accepted (``pagedllm.spec_decode.adaptive``).
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "status", "stop_reason", "num_cached_tokens", "block_hashes",
-        "cache_salt", "max_tokens", "num_preemptions", "max_model_len",
+        "cache_salt", "max_tokens", "num_preemptions", "max_model_len", "spec_token_ids", "spec_acceptance",
     )
 
     def __init__(
@@ -78,6 +82,8 @@ class Request:
             mt = (max_model_len or 1 << 62) - len(self.prompt_token_ids)
         self.max_tokens = mt
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []
+        self.spec_acceptance = 1.0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,12 @@ changes the sampled tokens, which ``true_output`` predicts without any cache. Th
 is written at most once per allocation of its block (a block shared by a prefix hit is never written again; the one
 exception to "never written while shared" is a hit, in the same step, on a block its writer fills in that step) and
 never while its block is free.
+
+Speculative decoding (``proposer`` given): after each sample the runner proposes draft tokens; the KV of draft
+positions is computed from the draft tokens (a wrong draft writes a wrong value there), the sample after each
+position is checked against the next draft (accept while equal, then the first disagreeing sample), and slots
+written for drafts may be written again (``draft_slots``: the slots whose value came from a draft not (yet)
+verified). ``check_invariants`` then also asserts that no block in the prefix cache holds such a slot.
 """
 
 from __future__ import annotations
@@ -64,7 +70,11 @@ class _State:
 
 
 class KVSimRunner:
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, proposer=None) -> None:
+        """``proposer(req_id, true_continuation) -> drafts``: the next tokens the request's output will truly have
+        (as many as the scheduler may verify) -> the draft tokens to propose."""
+        self.proposer = proposer
+        self.draft_slots: set[int] = set()
         self.sched = sched
         self.bs = sched.block_size
         pool = sched.kv.block_pool
@@ -80,6 +90,7 @@ class KVSimRunner:
             for b in out:
                 base = b.block_id * self.bs
                 self.kv[base:base + self.bs] = [None] * self.bs
+                self.draft_slots.difference_update(range(base, base + self.bs))
             return out
 
         pool.get_new_blocks = get_new_blocks
@@ -102,35 +113,68 @@ class KVSimRunner:
                 st.token_ids = list(cr.all_token_ids)
             else:
                 st.block_ids.extend(cr.new_block_ids)
-        ids, toks = [], []
+        ids, toks, props = [], [], []
         # Requests in layout order; a request that hits blocks filled in this same step comes after their writer.
         for rid, n in so.num_scheduled_tokens.items():
             st = self.states[rid]
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            num_verified = len(st.token_ids)
+            tokens = st.token_ids + drafts
             start = st.num_computed_tokens
-            assert start + n <= len(st.token_ids)
+            assert start + n <= len(tokens)
+            assert not drafts or start + n == len(tokens), "drafts are the last scheduled tokens"
             assert len(st.block_ids) * self.bs >= start + n, "block table too short for the scheduled tokens"
             if start == 0:
                 v = root_value(st.salt)
             else:
                 v = self.kv[self._slot(st, start - 1)]
                 assert v is not None, f"{rid} reads position {start - 1}, whose KV was never written"
+                assert self._slot(st, start - 1) not in self.draft_slots, f"{rid} reads a rejected draft's KV"
+            values = []
             for pos in range(start, start + n):
-                v = kv_value(v, st.token_ids[pos])
+                v = kv_value(v, tokens[pos])
+                values.append(v)
                 slot = self._slot(st, pos)
                 b = self.pool.blocks[slot // self.bs]
                 assert b.ref_cnt >= 1 and not b.is_null, f"{rid} writes free {b} at position {pos}"
-                assert self.kv[slot] is None, f"{rid} overwrites position {pos} in {b}"
+                assert self.kv[slot] is None or slot in self.draft_slots, f"{rid} overwrites position {pos} in {b}"
                 self.kv[slot] = v
+                if pos >= num_verified:
+                    self.draft_slots.add(slot)
+                else:
+                    self.draft_slots.discard(slot)
                 self.num_written += 1
-            st.num_computed_tokens = start + n
             ids.append(rid)
-            if start + n >= len(st.token_ids):
-                t = sample_from(v)
-                st.token_ids.append(t)
-                toks.append([t])
-            else:
+            if start + n < num_verified:
+                st.num_computed_tokens = start + n
                 toks.append([])
-        return ModelRunnerOutput(ids, toks)
+                props.append([])
+                continue
+            # values[j0 + j]: the value after the last verified token (j = 0) and after draft j (j >= 1).
+            j0 = num_verified - 1 - start
+            out = []
+            for j in range(len(drafts) + 1):
+                t = sample_from(values[j0 + j])
+                out.append(t)
+                if j == len(drafts) or drafts[j] != t:
+                    break
+                self.draft_slots.discard(self._slot(st, num_verified + j))  # accepted: verified KV
+            st.token_ids.extend(out)
+            st.num_computed_tokens = len(st.token_ids) - 1
+            toks.append(out)
+            props.append(self._propose(rid, st, values[j0 + len(out) - 1]) if self.proposer else [])
+        return ModelRunnerOutput(ids, toks, spec_token_ids=props if self.proposer else None)
+
+    def _propose(self, rid: str, st: _State, v_last: int) -> list[int]:
+        """The proposer's drafts, given the request's true continuation after its last (uncomputed) token."""
+        k = self.sched.num_spec_tokens
+        v = kv_value(v_last, st.token_ids[-1])
+        true = []
+        for _ in range(k):
+            t = sample_from(v)
+            true.append(t)
+            v = kv_value(v, t)
+        return list(self.proposer(rid, true))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -150,8 +194,8 @@ def exact_kv_utilization(sched: Scheduler) -> float:
     return sum(live.values()) / (len(live) * bs)
 
 
-def check_invariants(sched: Scheduler) -> None:
-    """Everything that must hold between steps."""
+def check_invariants(sched: Scheduler, runner: Optional[KVSimRunner] = None) -> None:
+    """Everything that must hold between steps (with ``runner``: no cached block holds an unverified draft's KV)."""
     kv = sched.kv
     pool = kv.block_pool
     bs = sched.block_size
@@ -178,9 +222,11 @@ def check_invariants(sched: Scheduler) -> None:
     # Only running requests hold blocks, exactly as many as their computed tokens need.
     running = {r.request_id: r for r in sched.running}
     assert set(kv.req_to_blocks) <= set(running)
+    lookahead = sched.num_spec_tokens  # blocks allocated for drafts that were rejected stay with the request
     for rid, r in running.items():
         blocks = kv.req_to_blocks.get(rid, [])
-        assert len(blocks) == cdiv(r.num_computed_tokens, bs), f"{r} holds {len(blocks)} blocks"
+        assert cdiv(r.num_computed_tokens, bs) <= len(blocks) <= cdiv(r.num_computed_tokens + lookahead, bs), \
+            f"{r} holds {len(blocks)} blocks"
         # A block a request shares with another is full for it, and registered in the cache.
         for j, b in enumerate(blocks):
             if b.ref_cnt > 1:
@@ -188,6 +234,12 @@ def check_invariants(sched: Scheduler) -> None:
     for r in sched.waiting:
         assert r.request_id not in kv.req_to_blocks
     assert abs(sched.kv_cache_utilization() - exact_kv_utilization(sched)) < 1e-12
+    if runner is not None and runner.draft_slots:
+        for b in pool.blocks[1:]:
+            if b.block_hash is not None:
+                base = b.block_id * bs
+                assert not runner.draft_slots.intersection(range(base, base + bs)), \
+                    f"{b} is in the prefix cache with a rejected draft's KV"
 
 
 def pool_whole(sched: Scheduler) -> bool:
@@ -213,7 +265,7 @@ def run_to_end(sched: Scheduler, runner, max_steps: int = 5000, on_step=None,
         so = sched.schedule()
         for eo in sched.update_from_output(so, runner(so)):
             outputs.setdefault(eo.request_id, []).extend(eo.new_token_ids)
-        check_invariants(sched)
+        check_invariants(sched, runner if isinstance(runner, KVSimRunner) else None)
     else:
         raise AssertionError(f"not finished after {max_steps} steps (deadlock?)")
     return outputs

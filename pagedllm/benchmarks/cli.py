@@ -1,4 +1,4 @@
-"""``pagedllm bench {throughput,latency,serve,floor,compare}`` (registered by ``pagedllm.entrypoints.cli``)."""
+"""``pagedllm bench {throughput,latency,serve,floor,compare,speculative}`` (registered by ``pagedllm.entrypoints.cli``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     sub = bench.add_subparsers(dest="bench_command", required=True)
     fmt = _Formatter
 
-    from pagedllm.benchmarks import compare, floor, latency, serve, throughput
+    from pagedllm.benchmarks import compare, floor, latency, serve, spec_ab, throughput
 
     p = sub.add_parser("throughput", help="Offline throughput through LLM.generate (or a peer: hf, vllm).",
                        description=throughput.__doc__, formatter_class=fmt)
@@ -40,4 +40,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                        description=compare.__doc__, formatter_class=fmt)
     compare.add_compare_args(p)
     p.set_defaults(func=compare.cmd_compare)
+
+    p = sub.add_parser("speculative", help="The same requests with and without --speculative-config, interleaved.",
+                       description=spec_ab.__doc__, formatter_class=fmt)
+    spec_ab.add_spec_ab_args(p)
+    p.set_defaults(func=spec_ab.cmd_spec_ab)
     return bench

@@ -24,6 +24,11 @@ Workloads:
     on everyday topics). Every prefix of a conversation that ends on a user turn is one prompt (so later turns share
     a prefix with earlier ones, as in real chat traffic); prompts are shuffled with ``--seed`` and reused in a cycle
     when more are asked for. ``--output-len`` output tokens each.
+``code-edit``
+    "Rewrite this code with the following change: ..." over 24 short Python functions and classes
+    (``data/code_edit.json``), chat-formatted with a system prompt asking for the whole rewritten code: most of
+    the answer repeats the prompt (the workload n-gram speculation is for). Shuffled with ``--seed``, reused in a
+    cycle; ``--output-len`` output tokens at most (run it with ``--no-ignore-eos``: the answer ends by itself).
 
 Chat-formatted workloads are rendered with the tokenizer's chat template for engines that take token ids or text;
 ``--backend openai-chat`` sends their messages instead.
@@ -39,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-WORKLOADS = ("random", "mixed", "shared-prefix", "chat", "json-schema")
+WORKLOADS = ("random", "mixed", "shared-prefix", "chat", "json-schema", "code-edit")
 
 
 @dataclass
@@ -152,6 +157,14 @@ def load_shared_prefix() -> dict:
         return json.load(f)
 
 
+def code_edit_prompts() -> list[list[dict]]:
+    """One chat (system + user turn) per item of ``data/code_edit.json``, in file order."""
+    with open(os.path.join(DATA_DIR, "code_edit.json")) as f:
+        data = json.load(f)
+    return [[{"role": "system", "content": data["system_prompt"]},
+             {"role": "user", "content": data["template"].format(**item)}] for item in data["items"]]
+
+
 def chat_prompts() -> list[list[dict]]:
     """Every conversation prefix that ends on a user turn (system message kept), in file order."""
     out = []
@@ -215,8 +228,8 @@ def make_requests(
                     {"role": "user", "content": f"Ticket #{1000 + i}: {q}"}]
             text, ids = _render_chat(tok, msgs, chat_template)
             reqs.append(BenchRequest(prompt=text, prompt_token_ids=ids, output_len=output_len, messages=msgs))
-    elif name == "chat":
-        convs = chat_prompts()
+    elif name in ("chat", "code-edit"):
+        convs = chat_prompts() if name == "chat" else code_edit_prompts()
         order = list(range(len(convs)))
         rng.shuffle(order)
         for i in range(num_prompts):

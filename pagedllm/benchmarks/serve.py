@@ -247,6 +247,42 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
     return m
 
 
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def scrape_spec_counters(base_url: str, api_key: Optional[str] = None) -> Optional[dict[str, float]]:
+    """The server's speculative-decoding counters from ``/metrics`` (ours ``pagedllm:``, vLLM's ``vllm:``; summed
+    over label sets), or None when it has none (no speculation, no Prometheus endpoint)."""
+    import httpx
+
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        text = httpx.get(base_url + "/metrics", headers=headers, timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or ":spec_decode_num_" not in line:
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0].split(":", 1)[1]
+        name = name[:-len("_total")] if name.endswith("_total") else name
+        if name in SPEC_COUNTERS:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out if len(out) == len(SPEC_COUNTERS) else None
+
+
+def spec_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """One level's speculative-decoding figures from the counters before and after it."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    drafts, draft_toks, acc = (d[k] for k in SPEC_COUNTERS)
+    return {"num_drafts": int(drafts), "num_draft_tokens": int(draft_toks), "num_accepted_tokens": int(acc),
+            "acceptance_rate": acc / draft_toks if draft_toks else float("nan"),
+            "mean_acceptance_length": 1 + acc / drafts if drafts else float("nan")}
 def _valid_json(text: str, schema: dict) -> bool:
     """Whether ``text`` is JSON valid against ``schema`` (failed or cut-off outputs are not)."""
     import jsonschema
@@ -292,6 +328,14 @@ def format_table(m: dict, percentiles: tuple[float, ...] = (99.0,), title: str =
         row(f"Median {up} (ms):", m[f"median_{name}_ms"])
         for p in percentiles:
             row(f"P{_pct_name(p)} {up} (ms):", m[f"p{_pct_name(p)}_{name}_ms"])
+    spec = m.get("spec_decode")
+    if spec is not None:
+        lines.append(f"{'Speculative Decoding':-^{w}}")
+        row("Drafts:", spec["num_drafts"], "{:<10}")
+        row("Draft tokens:", spec["num_draft_tokens"], "{:<10}")
+        row("Accepted tokens:", spec["num_accepted_tokens"], "{:<10}")
+        row("Acceptance rate:", spec["acceptance_rate"], "{:<10.3f}")
+        row("Mean acceptance length:", spec["mean_acceptance_length"])
     lines.append("=" * w)
     return "\n".join(lines)
 
@@ -371,6 +415,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="JSON file to save (default: benchmarks/results/serve-<label>-<time>.json).")
     p.add_argument("--plot", default=None, help="PNG to save (default: the result file with .png).")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--speculative-config", default=None,
+                   help="The server's --speculative-config (it is started separately), recorded in the result; the "
+                        "acceptance figures come from its /metrics, and with this flag a server without them is an "
+                        "error.")
     p.add_argument("--structured-output-ratio", type=float, default=1.0,
                    help="json-schema workload: share of requests constrained to their schema (response_format "
                         "json_schema on chat, structured_outputs on completions); the valid-output rate is reported.")
@@ -414,11 +462,15 @@ def run_serve_benchmark(ns: argparse.Namespace) -> dict:
     model = ns.model or asyncio.run(_first_model(base_url, ns.api_key))
     percentiles = tuple(ns.percentiles)
     levels = []
+    if getattr(ns, "speculative_config", None) and scrape_spec_counters(base_url, ns.api_key) is None:
+        raise SystemExit(f"--speculative-config given but {base_url}/metrics has no spec_decode_* counters")
     for conc in ns.max_concurrency:
+        spec_before = scrape_spec_counters(base_url, ns.api_key)
         m = asyncio.run(run_level(base_url, reqs, backend=ns.backend, model=model, max_concurrency=conc,
                                   request_rate=ns.request_rate, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
                                   use_token_ids=not ns.text_prompts, tokenizer=tok, seed=ns.seed, api_key=ns.api_key,
                                   timeout_s=ns.request_timeout, num_warmups=ns.num_warmups, percentiles=percentiles))
+        m["spec_decode"] = spec_delta(spec_before, scrape_spec_counters(base_url, ns.api_key))  # warm-ups included
         print(format_table(m, percentiles), flush=True)
         if m["errors"]:
             print("errors:", m["errors"], file=sys.stderr)
@@ -438,6 +490,7 @@ def run_serve_benchmark(ns: argparse.Namespace) -> dict:
         "request_rate": ns.request_rate if ns.request_rate != float("inf") else "inf",
         "max_concurrency": ns.max_concurrency,
         "percentiles": list(percentiles),
+        "speculative_config": getattr(ns, "speculative_config", None),
         "command": command_line(),
         "levels": levels,
     }

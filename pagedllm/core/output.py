@@ -50,6 +50,9 @@ class SchedulerOutput:
     # Models with several KV cache groups (sliding-window layers beside full-attention ones): block ids of groups
     # 1.. allocated this step, per request, ``[group - 1][i]`` (the whole tables for a new or resumed request).
     new_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens scheduled after each decoding request's last token (they are the last
+    # ``len(ids)`` of its ``num_scheduled_tokens``); requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Structured outputs: ``(bitmask int32 [R, ceil(V / 32)], {request id: row})`` of the constrained requests that
     # sample this step, set by the engine core after schedule() (see pagedllm.structured_output).
     grammar_bitmask: Optional[Any] = None
@@ -67,16 +70,25 @@ class LogprobsLists:
     logprobs: list[list[float]]
     ranks: list[int]
 
+    def head(self, n: int) -> "LogprobsLists":
+        """The first ``n`` tokens' entries."""
+        return LogprobsLists(self.token_ids[:n], self.logprobs[:n], self.ranks[:n])
+
 
 @dataclass
 class ModelRunnerOutput:
     """What the runner computed: for request ``req_ids[i]``, ``sampled_token_ids[i]`` (empty while its prompt
-    is still being prefilled in chunks)."""
+    is still being prefilled in chunks; with draft tokens scheduled, the accepted drafts then the token sampled
+    after them, 1 to ``1 + len(drafts)`` tokens).
+
+    ``spec_token_ids[i]`` (speculative decoding; None when off): draft tokens proposed to follow the request's
+    tokens after this step, for the next one (may be empty)."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: Optional[dict[str, LogprobsLists]] = None  # sampled-token logprobs, for requests that asked
     prompt_logprobs: Optional[dict[str, LogprobsLists]] = None  # for prompt positions computed this step
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 @dataclass

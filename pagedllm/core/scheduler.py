@@ -8,6 +8,17 @@ and it goes back to the head of the waiting queue with ``num_computed_tokens = 0
 
 ``update_from_output`` is the only place request state advances. Integers only; no torch.
 
+Speculative decoding (vLLM v1's contract): a decoding request may carry ``spec_token_ids`` (draft tokens the runner
+proposed after the last step). It is then scheduled for ``1 + k`` tokens, its last sampled token and ``k`` drafts
+(``SchedulerOutput.scheduled_spec_decode_tokens``), within the token budget and with KV slots for all of them. The
+runner verifies the drafts in the same forward pass and returns the accepted drafts plus one token sampled after
+them; ``update_from_output`` advances ``num_computed_tokens`` by that count only, so the KV slots of rejected
+drafts hold garbage that a later step overwrites. Example: 10 tokens (9 computed), drafts ``[a, b, c]``: 4 tokens
+scheduled (positions 9..12); ``a`` accepted, ``b`` rejected, ``x`` sampled in its place: outputs ``[a, x]``,
+``num_computed_tokens`` 9 + 4 - 2 = 11, positions 11, 12 stale. Prefix caching hashes only ``all_token_ids``
+(verified tokens), so a block is cached only once every token in it is verified and its KV written. Drafts never
+cause a preemption: when the blocks for them aren't free the request keeps the drafts that fit its blocks.
+
 Pipeline parallelism keeps several batches in flight (``EngineCore.step_with_batch_queue``): a batch is scheduled
 before the outputs of earlier ones are back. A request in a batch in flight (``in_flight_req_ids``) is not scheduled
 again until ``update_from_output`` has seen that batch: a decode needs the token being sampled, and a prompt's next
@@ -20,7 +31,7 @@ a later batch that reuses them writes after it).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -32,6 +43,7 @@ from pagedllm.core.output import (
     SchedulerOutput,
 )
 from pagedllm.request import Request, RequestStatus
+from pagedllm.spec_decode import adaptive
 
 
 @dataclass
@@ -43,6 +55,36 @@ class SchedulerStats:
     num_preemptions: int = 0  # since the last stats call
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
+    spec_decoding_stats: Optional["SpecDecodingStats"] = None  # since the last stats call; None without speculation
+
+
+@dataclass
+class SpecDecodingStats:
+    """Verified draft tokens (vLLM's ``spec_decode_*`` metrics). ``num_drafts``: request-steps that verified at
+    least one draft token; acceptance rate = accepted / draft tokens; mean acceptance length (tokens per such
+    step) = 1 + accepted / drafts."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def take(self) -> "SpecDecodingStats":
+        out = SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                self.num_accepted_tokens_per_pos)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = []
+        return out
 
 
 class Scheduler:
@@ -54,7 +96,9 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         use_pp: bool = False,
+        speculative_config=None,
     ) -> None:
+        """``speculative_config``: a ``pagedllm.config.SpeculativeConfig`` (None: no speculative decoding)."""
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
@@ -74,6 +118,15 @@ class Scheduler:
         self.use_pp = use_pp
         # Requests in a scheduled batch whose output update_from_output hasn't seen (several batches in flight).
         self.in_flight_req_ids: set[str] = set()
+        # Speculative decoding: the most draft tokens per request and step (0: off).
+        sc = speculative_config
+        self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
+        self.spec_disable_by_batch_size = (sc.disable_by_batch_size if sc is not None else None) or (1 << 62)
+        self.spec_adaptive = bool(sc is not None and sc.adaptive)
+        self.spec_step_token_budget = sc.step_token_budget if sc is not None else 0
+        self.spec_stats = SpecDecodingStats() if sc is not None else None
+        if self.num_spec_tokens and use_pp:
+            raise ValueError("speculative decoding can't be combined with pipeline parallelism yet.")
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, request: Request) -> None:
@@ -123,6 +176,8 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
         scheduled_running: list[Request] = []
+        scheduled_spec: dict[str, list[int]] = {}
+        spec_cap = self.spec_cap(len(self.running))
 
         # 1. Running requests, oldest first.
         i = 0
@@ -132,10 +187,15 @@ class Scheduler:
             if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
+            k = self._num_spec_tokens(req, n, min(budget, n + spec_cap)) if spec_cap and req.spec_token_ids else 0
             while True:
-                new_blocks = self.kv.allocate_slots(req, n)
+                new_blocks = self.kv.allocate_slots(req, n + k)
                 if new_blocks is not None:
                     break
+                if k:  # draft tokens never cost a preemption: keep those that fit the blocks held
+                    held = len(self.kv.req_to_blocks.get(req.request_id, ())) * self.block_size
+                    k = max(min(k - 1, held - req.num_computed_tokens - n), 0)
+                    continue
                 victim = self.running.pop() if not in_flight else self._pop_victim_not_in_flight()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -144,11 +204,13 @@ class Scheduler:
             if new_blocks is None:
                 break
             scheduled_running.append(req)
-            num_scheduled[req.request_id] = n
+            if k:
+                scheduled_spec[req.request_id] = req.spec_token_ids[:k]
+            num_scheduled[req.request_id] = n + k
             cached_reqs.append(CachedRequestData(
                 req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens,
                 new_token_ids=self._new_token_ids(req, n) if self.use_pp else None))
-            budget -= n
+            budget -= n + k
             i += 1
             if len(num_scheduled) >= max_reqs:
                 break
@@ -200,9 +262,32 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             new_group_block_ids=self.kv.take_new_group_block_ids(),
+            scheduled_spec_decode_tokens=scheduled_spec,
         )
         self.finished_req_ids = set()
         return out
+
+    def spec_cap(self, num_running: int) -> int:
+        """The most draft tokens a request may verify in a step that starts with ``num_running`` running
+        requests (``SpeculativeConfig.step_token_budget``, ``disable_by_batch_size``; 0 without speculation)."""
+        if not self.num_spec_tokens or num_running > self.spec_disable_by_batch_size or num_running == 0:
+            return 0
+        return min(self.num_spec_tokens, max(0, (self.spec_step_token_budget - num_running) // num_running))
+
+    def _num_spec_tokens(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens to verify with a decode of ``req`` (0 while it prefills): its proposal, cut to the budget
+        left after its ``n`` tokens, to its adaptive share, and so that the token sampled after them still fits
+        ``max_tokens`` and ``max_model_len`` (more could never be output)."""
+        if req.num_computed_tokens + n != req.num_tokens or req.num_output_tokens == 0:
+            return 0
+        k = min(len(req.spec_token_ids), self.num_spec_tokens, budget - n,
+                req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        if self.spec_adaptive and k > 0:
+            k_adaptive = adaptive.num_draft_tokens(k, req.spec_acceptance)
+            if k_adaptive == 0:
+                req.spec_acceptance = adaptive.relax(req.spec_acceptance)
+            k = k_adaptive
+        return max(k, 0)
 
     def _pop_victim_not_in_flight(self) -> Request:
         """The latest running request that isn't in a batch in flight (the one being scheduled is a candidate, so
@@ -223,6 +308,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -239,13 +325,21 @@ class Scheduler:
         finished: list[Request] = []
         logprobs = out.logprobs or {}
         prompt_logprobs = out.prompt_logprobs or {}
+        spec_decode_tokens = sched.scheduled_spec_decode_tokens
+        spec_token_ids = out.spec_token_ids
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile
-            req.num_computed_tokens += n
-            self.kv.release_out_of_window(req)  # sliding-window KV groups: blocks no later query can see
             sampled = out.sampled_token_ids[index[rid]] if rid in index else []
+            req.num_computed_tokens += n
+            if spec_decode_tokens:
+                drafts = spec_decode_tokens.get(rid)
+                if drafts:  # rejected drafts aren't computed: their slots are overwritten later
+                    num_accepted = len(sampled) - 1
+                    req.num_computed_tokens -= len(drafts) - num_accepted
+                    self._observe_spec(req, len(drafts), num_accepted)
+            self.kv.release_out_of_window(req)  # sliding-window KV groups: blocks no later query can see
             new_ids: list[int] = []
             if sampled and req.num_computed_tokens >= req.num_tokens:
                 for tok in sampled:
@@ -253,12 +347,17 @@ class Scheduler:
                     new_ids.append(tok)
                     if self._check_stop(req, tok):
                         break
+            if spec_token_ids is not None and not req.is_finished():
+                req.spec_token_ids = spec_token_ids[index[rid]] if rid in index else []
             plp = prompt_logprobs.get(rid)
             if new_ids or plp is not None or req.is_finished():
+                lp = logprobs.get(rid) if new_ids else None
+                if lp is not None and len(lp.ranks) > len(new_ids):  # a stop among the accepted tokens
+                    lp = lp.head(len(new_ids))
                 outputs.append(EngineCoreOutput(
                     request_id=rid,
                     new_token_ids=new_ids,
-                    new_logprobs=logprobs.get(rid) if new_ids else None,
+                    new_logprobs=lp,
                     new_prompt_logprobs=plp,
                     finish_reason=req.get_finish_reason(),
                     stop_reason=req.stop_reason,
@@ -270,6 +369,13 @@ class Scheduler:
             self.running.remove(req)
             self._free_request(req)
         return outputs
+
+    def _observe_spec(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_draft:
+            raise AssertionError(f"{req.request_id}: {num_accepted} accepted of {num_draft} draft tokens")
+        self.spec_stats.observe(num_draft, num_accepted)
+        if self.spec_adaptive:
+            req.spec_acceptance = adaptive.update(req.spec_acceptance, num_draft, num_accepted)
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         sp = req.sampling_params
@@ -299,6 +405,7 @@ class Scheduler:
             num_preemptions=n_pre,
             prefix_cache_queries=pcs.queries,
             prefix_cache_hits=pcs.hits,
+            spec_decoding_stats=self.spec_stats.take() if self.spec_stats is not None else None,
         )
 
     def kv_cache_utilization(self) -> float:

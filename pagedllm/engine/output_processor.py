@@ -110,6 +110,22 @@ class OutputProcessor:
             out.append(d)
         return out
 
+    @staticmethod
+    def _detokenize_one_by_one(c: "ChildState", new_ids: list[int], new_lps, finish_reason: Optional[str]):
+        """Several tokens in one step (speculative decoding) for a request with stop strings: they go to the
+        detokenizer one at a time, as they would without speculation, so that a stop string completed by one of them
+        cuts the tokens (and logprobs) right after it. -> (tokens kept, their logprobs, the stop string or None)."""
+        n = len(new_ids)
+        for j, tok in enumerate(new_ids):
+            last = j == n - 1
+            stop_str = c.detokenizer.update([tok], last and finish_reason is not None,
+                                            stop_terminated=last and finish_reason == "stop")
+            if stop_str is not None:
+                if last:
+                    return new_ids, new_lps, stop_str
+                return new_ids[:j + 1], new_lps.head(j + 1) if new_lps is not None else None, stop_str
+        return new_ids, new_lps, None
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (request outputs to deliver, child request ids the core must stop because of a stop string)."""
         now = time.time()
@@ -170,22 +186,35 @@ class OutputProcessor:
             parent.prompt_logprobs.extend(self._logprob_dicts(eo.new_prompt_logprobs))
         c.num_cached_tokens = eo.num_cached_tokens
         parent.num_cached_tokens = eo.num_cached_tokens
-        if eo.new_token_ids:
+        new_ids, new_lps = eo.new_token_ids, eo.new_logprobs
+        finish_reason = eo.finish_reason
+        one_by_one = c.detokenizer is not None and bool(c.detokenizer.stop) and len(new_ids) > 1
+        if one_by_one:
+            new_ids, new_lps, stop_str = self._detokenize_one_by_one(c, new_ids, new_lps, finish_reason)
+            cut = len(new_ids) < len(eo.new_token_ids)
+        if new_ids:
             if c.first_token_time is None:
                 c.first_token_time = now
             c.last_token_time = now
             c.new_token_times.append(now)
-            c.token_ids.extend(eo.new_token_ids)
-            if eo.new_logprobs is not None:
-                dicts = self._logprob_dicts(eo.new_logprobs)
+            c.token_ids.extend(new_ids)
+            if new_lps is not None:
+                dicts = self._logprob_dicts(new_lps)
                 if c.logprobs is None:
                     c.logprobs = []
                     c.cumulative_logprob = 0.0
-                for tok, d in zip(eo.new_token_ids, dicts):
+                for tok, d in zip(new_ids, dicts):
                     c.logprobs.append(d)
                     c.cumulative_logprob += d[tok].logprob
-        finish_reason = eo.finish_reason
-        if c.detokenizer is not None:
+        if one_by_one:
+            # a stop string before the step's last token ends the output there (whatever ended the request later
+            # in the step); on the last token it counts only if nothing else ended the request
+            if stop_str is not None and (cut or finish_reason is None):
+                if finish_reason is None:
+                    to_abort.append(c.request_id)
+                finish_reason = "stop"
+                c.stop_reason = stop_str
+        elif c.detokenizer is not None:
             stop_str = c.detokenizer.update(eo.new_token_ids, finish_reason is not None,
                                             stop_terminated=finish_reason == "stop")
             if stop_str is not None and finish_reason is None:

@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "under torchrun).")
     g.add_argument("--nnodes", type=int, default=1, help="Machines in an external_launcher launch.")
     g.add_argument("--node-rank", type=int, default=0, help="This machine's rank in an external_launcher launch.")
+    g.add_argument("--speculative-config", default=None,
+                   help='Speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (also "disable_by_batch_size", and '
+                        '"adaptive": false for a fixed draft length).')
     g.add_argument("--structured-outputs-config", default=None,
                    help="Structured outputs, as JSON (vLLM's keys), e.g. '{\"backend\": \"xgrammar\"}'. JSON "
                         "grammars are compact by default here (\"disable_any_whitespace\": true; false for vLLM's "

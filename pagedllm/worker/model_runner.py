@@ -29,6 +29,8 @@ from pagedllm.layers.sampler import (
     compute_prompt_logprobs,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.drafter import make_drafter
+from pagedllm.spec_decode.verify import GeneratorRewind, accept, verify_rows
 from pagedllm.structured_output import apply_grammar_bitmask
 from pagedllm.utils.hugepages import zeros_in_hugepages
 
@@ -126,6 +128,7 @@ class ModelRunner:
         self.num_groups = self.layout.num_groups
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.drafter = make_drafter(config.speculative) if getattr(config, "speculative", None) else None
 
     # ------------------------------------------------------------------ state updates
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -196,8 +199,14 @@ class ModelRunner:
             req_idx_np = np.arange(num_reqs, dtype=np.int64)
         else:
             ids = []
-            for st, s, q in zip(states, starts, query_lens):
-                ids.extend(st.token_ids[s:s + q])
+            spec = sched.scheduled_spec_decode_tokens
+            for rid, st, s, q in zip(req_ids, states, starts, query_lens):
+                drafts = spec.get(rid) if spec else None
+                if drafts:  # the last sampled token, then the drafts to verify
+                    ids.extend(st.token_ids[s:s + q - len(drafts)])
+                    ids.extend(drafts)
+                else:
+                    ids.extend(st.token_ids[s:s + q])
             q_arr = np.asarray(query_lens, dtype=np.int64)
             req_idx_np = np.repeat(np.arange(num_reqs, dtype=np.int64), q_arr)
             offsets = np.arange(num_tokens, dtype=np.int64) - np.repeat(np.cumsum(q_arr) - q_arr, q_arr)
@@ -227,24 +236,40 @@ class ModelRunner:
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs_out: dict[str, LogprobsLists] = {}
         if sample_rows:
-            last_idx = torch.tensor([int(qsl[i + 1]) - 1 for i in sample_rows], dtype=torch.int64,
-                                    device=self.device)
+            # Speculating requests sample len(drafts) + 1 rows each (spec_decode/verify.py).
+            drafts = None
+            if sched.scheduled_spec_decode_tokens:
+                drafts = [sched.scheduled_spec_decode_tokens.get(req_ids[i], ()) for i in sample_rows]
+                row_idx, rows = verify_rows([int(qsl[i + 1]) for i in sample_rows],
+                                            [states[i].sampler_state for i in sample_rows], drafts)
+            else:
+                row_idx = [int(qsl[i + 1]) - 1 for i in sample_rows]
+                rows = [states[i].sampler_state for i in sample_rows]
+            last_idx = torch.tensor(row_idx, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, last_idx))
             gb = sched.grammar_bitmask
             if gb is not None and hasattr(gb, "result"):  # filled beside the forward pass (engine/core.py)
                 gb = gb.result()
-            if gb is not None:  # structured outputs: disallowed tokens -> -inf
-                logits = apply_grammar_bitmask(logits, gb, [req_ids[i] for i in sample_rows])
-            rows = [states[i].sampler_state for i in sample_rows]
+            if gb is not None:  # structured outputs: disallowed tokens -> -inf (such requests get no drafts)
+                row_req_ids = ([req_ids[i] for i in sample_rows] if drafts is None else
+                               [req_ids[i] for i, d in zip(sample_rows, drafts) for _ in range(len(d) + 1)])
+                logits = apply_grammar_bitmask(logits, gb, row_req_ids)
             md = SamplingMetadata.build(rows, self.vocab_size, self.device)
+            rewind = GeneratorRewind([states[i].sampler_state for i in sample_rows], drafts) if drafts else None
             so = self.sampler(logits, md)  # None on a pipeline rank that doesn't sample (see worker.py)
             sampled = so.sampled_token_ids.tolist() if so is not None else ()
-            for j, tok in enumerate(sampled):
+            if drafts is None:
+                outputs, first_row = [[t] for t in sampled], range(len(sampled))
+            else:
+                outputs, first_row = accept(sampled, drafts)
+                if rewind.saved:
+                    rewind.advance(outputs, logits.shape[-1])
+            for j, toks in enumerate(outputs):
                 i = sample_rows[j]
                 st = states[i]
-                sampled_lists[i] = [tok]
-                st.token_ids.append(tok)
-                st.sampler_state.output_token_ids.append(tok)
+                sampled_lists[i] = toks
+                st.token_ids.extend(toks)
+                st.sampler_state.output_token_ids.extend(toks)
             if so is not None and so.logprobs is not None:
                 lp = so.logprobs
                 tid = lp.token_ids.tolist()
@@ -254,7 +279,13 @@ class ModelRunner:
                     k = states[i].sampling_params.logprobs
                     if k is None:
                         continue
-                    logprobs_out[req_ids[i]] = LogprobsLists([tid[j][: k + 1]], [lps[j][: k + 1]], [ranks[j]])
+                    r = first_row[j]
+                    m = len(outputs[j])
+                    logprobs_out[req_ids[i]] = LogprobsLists([t[: k + 1] for t in tid[r:r + m]],
+                                                             [x[: k + 1] for x in lps[r:r + m]], ranks[r:r + m])
+        spec_token_ids = None
+        if self.drafter is not None:
+            spec_token_ids = self.drafter.propose(states, sampled_lists)
 
         prompt_lp = self._prompt_logprobs(states, starts, query_lens, qsl, hidden)
         return ModelRunnerOutput(
@@ -262,6 +293,7 @@ class ModelRunner:
             sampled_token_ids=sampled_lists,
             logprobs=logprobs_out or None,
             prompt_logprobs=prompt_lp or None,
+            spec_token_ids=spec_token_ids,
         )
 
     def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np):

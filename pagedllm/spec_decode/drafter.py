@@ -1,0 +1,42 @@
+"""The runner's drafter: after a step, draft tokens for every request that sampled (``ModelRunnerOutput
+.spec_token_ids``); the scheduler decides how many of them the next step verifies."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from pagedllm.spec_decode.ngram import NgramProposer
+
+
+class NgramDrafter:
+    """Prompt lookup over each request's prompt + output (``pagedllm.spec_decode.ngram``)."""
+
+    def __init__(self, config) -> None:
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        # From this many requests in a step on the scheduler verifies no drafts (Scheduler.spec_cap): don't look.
+        limit = config.disable_by_batch_size or (1 << 62)
+        self.max_num_reqs = min(limit, max(r for r in range(1, 65) if (config.step_token_budget - r) // r > 0))
+
+    def propose(self, states: Sequence, sampled: Sequence[Sequence[int]]) -> list[list[int]]:
+        """``states[i]``: a runner request state (``token_ids`` = prompt + output, this step's tokens included);
+        ``sampled[i]``: what it sampled this step (no drafts for a request still prefilling)."""
+        if len(states) > self.max_num_reqs:
+            return [[] for _ in states]
+        propose = self.proposer.propose
+        # Structured outputs: no drafts (the grammar's bitmask covers one position per step).
+        return [propose(st.token_ids) if toks and getattr(st.sampling_params, "structured_outputs", None) is None
+                else [] for st, toks in zip(states, sampled)]
+
+
+def make_drafter(config) -> Optional[NgramDrafter]:
+    """The drafter for a ``SpeculativeConfig`` (None: no speculation).
+
+    Raises:
+        ValueError: for a method without a drafter.
+    """
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramDrafter(config)
+    raise ValueError(f"speculative_config.method {config.method!r} has no drafter.")
