@@ -71,7 +71,7 @@ def test_chat_and_shared_prefix_workloads(tok):
     assert cut[0].prompt_len < 200
     with pytest.raises(ValueError):
         make_requests("nope", tok, 1)
-    assert set(WORKLOADS) == {"random", "mixed", "shared-prefix", "chat", "code-edit"}
+    assert set(WORKLOADS) == {"random", "mixed", "shared-prefix", "chat", "json-schema", "code-edit"}
     ce = make_requests("code-edit", tok, 30, output_len=300)
     assert len({r.prompt for r in ce}) == 24 and all("Rewrite this code" in r.messages[1]["content"] for r in ce)
     assert all(r.prompt_len > 100 for r in ce)
