@@ -21,6 +21,10 @@
  * + bias (float32) and one rounding to bf16 (round to nearest even); mode 3 writes the float32 sums + bias.
  * VDPBF16PS (Intel SDM vol. 2, "VDPBF16PS") treats denormal inputs as zero and flushes denormal results.
  *
+ * Measured (Xeon with AMX used as a Zen 4 stand-in: oneDNN capped with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, 2 threads,
+ * a loaded shared host, per-call minimum over 30 interleaved runs, the 120 linears of a SmolLM2-135M step): rows 1
+ * 10.4 ms vs oneDNN 17.8 ms; rows 16 28.9 vs 91 ms. At 32+ rows this CPU's VDPBF16PS (one per 2 cycles, 88 GFLOP/s a
+ * core, measured) binds: 2,048 rows ran at 160 GFLOP/s, 91% of that peak.
  * Compute: rows go in blocks of MR (6 on AVX-512: 6 rows x 4 vectors = 24 accumulators + 4 weight registers), the
  * weights of a column block are read once per row block (from L1/L2 after the first). Work units are (a range of
  * column blocks) x (up to UNIT_ROWS rows), taken dynamically by the OpenMP threads; at decode sizes (M <= UNIT_ROWS)
