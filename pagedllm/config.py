@@ -77,12 +77,94 @@ class ParallelConfig:
         return self.world_size > 1 or self.distributed_executor_backend == "external_launcher"
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
+# The names pagedllm.entrypoints.openai.reasoning registers (a test keeps the two in step).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config`` (vLLM 0.32's keys) plus ``--reasoning-parser``.
+
+    ``disable_any_whitespace`` defaults to True here (vLLM: False): JSON grammars are compiled without arbitrary
+    whitespace, so a small model can't emit spaces until ``max_tokens`` inside a constrained answer; a request opts
+    into the permissive form with ``structured_outputs.disable_any_whitespace = false``.
+    """
+
+    backend: str = "xgrammar"
+    disable_any_whitespace: bool = True
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: Optional[str] = None
+    max_compile_threads: int = 2  # grammar compilation runs in this many threads, off the engine thread
+
+    @classmethod
+    def parse(cls, value: Any, reasoning_parser: Optional[str] = None) -> "StructuredOutputsConfig":
+        """From a dict, its JSON text or None.
+
+        Raises:
+            ValueError: naming ``structured_outputs_config`` for bad JSON, an unknown key or backend.
+        """
+        import json
+
+        if value is None:
+            value = {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}.")
+        value = dict(value)
+        if value.get("backend") in (None, "auto"):
+            value["backend"] = "xgrammar"
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {sorted(unknown)}; known: {sorted(names)}.")
+        if value["backend"] not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
+                             f"got {value['backend']!r}.")
+        if reasoning_parser is not None:
+            value["reasoning_parser"] = reasoning_parser
+        if value.get("reasoning_parser") not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                             f"{value['reasoning_parser']!r}.")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds every request is checked against once, by ``engine.input_processor.InputProcessor`` (and, for the
+    HTTP body, by the server's body guard). The README's "Request bounds" table lists each with its flag.
+
+    0 / None means "no bound" only where noted."""
+
+    max_n: int = 128  # choices per request (OpenAI's cap)
+    max_num_stop_strings: int = 64
+    max_stop_string_len: int = 1024  # characters, each stop string
+    max_num_stop_token_ids: int = 1024
+    max_num_logit_bias: int = 1024  # logit_bias entries
+    max_num_allowed_token_ids: int = 4096  # also bounds the sampler's per-step mask building
+    max_cache_salt_len: int = 1024  # characters
+    max_num_prompts: int = 1024  # prompts in one completions request (vLLM's cap)
+    max_request_body_bytes: int = 16 << 20  # HTTP body; 413 past it, checked before parsing
+    max_chat_template_chars: int = 1 << 20  # rendered chat prompt, characters
+    # Admission queue (vLLM's names): requests (children of n > 1 count one each) and prompt tokens admitted but
+    # not yet producing output; past either the server answers 429 with Retry-After. 0: unbounded.
+    max_num_queued_reqs: int = 1024
+    max_num_queued_tokens: int = 1 << 20
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    limits: InputLimits = field(default_factory=InputLimits)
     # Which CPU kernels run (ISA level and switches), resolved once at start-up; see pagedllm.kernels.config.
     kernel: Any = None  # a pagedllm.kernels.KernelConfig (None: resolve from the environment)
 
@@ -151,7 +233,22 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     quantization: Optional[str] = None  # auto (None) | none | gguf | gptq | awq | int8
+    structured_outputs_config: Optional[Any] = None  # dict or JSON text, see StructuredOutputsConfig
+    reasoning_parser: Optional[str] = None  # deepseek_r1 | qwen3: structured outputs start after </think>
     cpu_isa: Optional[str] = None  # auto (None) | amx | avx512_bf16 | avx2 | none: force a lower kernel ISA level
+    # Request bounds (see InputLimits and the README's "Request bounds" table).
+    max_n: int = InputLimits.max_n
+    max_num_stop_strings: int = InputLimits.max_num_stop_strings
+    max_stop_string_len: int = InputLimits.max_stop_string_len
+    max_num_stop_token_ids: int = InputLimits.max_num_stop_token_ids
+    max_num_logit_bias: int = InputLimits.max_num_logit_bias
+    max_num_allowed_token_ids: int = InputLimits.max_num_allowed_token_ids
+    max_cache_salt_len: int = InputLimits.max_cache_salt_len
+    max_num_prompts: int = InputLimits.max_num_prompts
+    max_request_body_bytes: int = InputLimits.max_request_body_bytes
+    max_chat_template_chars: int = InputLimits.max_chat_template_chars
+    max_num_queued_reqs: int = InputLimits.max_num_queued_reqs
+    max_num_queued_tokens: int = InputLimits.max_num_queued_tokens
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -170,6 +267,11 @@ class EngineArgs:
                      "tensor_parallel_size", "pipeline_parallel_size"):
             pos(name)
         pos("max_in_flight_batches", allow_none=False)
+        for f in dataclasses.fields(InputLimits):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (v == 0 and not f.name.startswith(
+                    "max_num_queued")):
+                raise ValueError(f"{f.name} must be a positive integer, got {v!r}.")
         pos("nnodes", allow_none=False)
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}.")
@@ -232,7 +334,9 @@ class EngineArgs:
 
             chat_template = load_chat_template(self.chat_template)
         kv_bytes = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        so_config = StructuredOutputsConfig.parse(self.structured_outputs_config, self.reasoning_parser)
         return EngineConfig(
+            structured_outputs=so_config,
             model=ModelConfig(
                 model=model,
                 tokenizer=self.tokenizer or model,
@@ -270,5 +374,6 @@ class EngineArgs:
                 node_rank=self.node_rank,
                 max_in_flight_batches=self.max_in_flight_batches,
             ),
+            limits=InputLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(InputLimits)}),
             kernel=kernel,
         )

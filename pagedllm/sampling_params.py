@@ -14,6 +14,105 @@ from typing import Optional, Union
 SAMPLING_EPS = 1e-5
 
 
+# Bounds on structured-output specs (hostile input is normal input): a schema/grammar/regex text, and choices.
+MAX_STRUCTURED_SPEC_CHARS = 1 << 20
+MAX_NUM_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a completion to a JSON schema, a regex, one of several strings, an EBNF grammar, any JSON object
+    or a structural tag (vLLM's ``StructuredOutputsParams``; exactly one of those six fields is set).
+
+    Fields:
+        json: a JSON schema (a dict or its JSON text).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF/GBNF grammar (xgrammar's dialect: ``root ::= ...``).
+        json_object: any JSON object.
+        structural_tag: xgrammar's structural tag (a dict or its JSON text).
+        disable_any_whitespace: JSON only. ``None`` takes the engine's default (``--structured-outputs-config``'s
+            ``disable_any_whitespace``, on by default here, unlike vLLM): JSON is written compactly, with no
+            whitespace between tokens, so a small model can't loop on spaces inside an answer. ``False`` allows any
+            whitespace (vLLM's default).
+        disable_fallback, disable_additional_properties: accepted for vLLM compatibility (one backend, so there is
+            nothing to fall back to; additional properties follow the schema).
+
+    Raises:
+        ValueError: naming the field, when none or several constraints are set, or one is malformed or too large.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Union[str, dict]] = None
+    disable_any_whitespace: Optional[bool] = None
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    # The request field it came from (response_format, guided_json, ...), so a spec error names that field.
+    source: str = field(default="structured_outputs", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_fields = [k for k in _CONSTRAINT_FIELDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_CONSTRAINT_FIELDS)}; got "
+                             f"{set_fields or 'none'}.")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported (use disable_any_whitespace).")
+        import json as _json
+
+        for name in ("json", "structural_tag"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, str):
+                try:
+                    v = _json.loads(v)
+                except (ValueError, RecursionError) as e:
+                    raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}") from None
+            if not isinstance(v, dict):
+                raise ValueError(f"structured_outputs.{name} must be a JSON object, got {type(v).__name__}.")
+            setattr(self, name, v)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+            if len(self.choice) > MAX_NUM_CHOICES:
+                raise ValueError(f"structured_outputs.choice has {len(self.choice)} entries, more than "
+                                 f"{MAX_NUM_CHOICES}.")
+            self.choice = list(self.choice)
+        if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{self.kind} is {len(self.spec)} characters, more than "
+                             f"{MAX_STRUCTURED_SPEC_CHARS}.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` or ``structural_tag``."""
+        return next(k for k in _CONSTRAINT_FIELDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text (the grammar cache key with ``kind`` and the whitespace option)."""
+        import json as _json
+
+        v = getattr(self, self.kind)
+        if isinstance(v, (dict, list)):
+            return _json.dumps(v, sort_keys=True, separators=(",", ":"))
+        if v is True:
+            return ""
+        return v
+
+
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 class RequestOutputKind(IntEnum):
     """What each ``RequestOutput`` of a request carries (vLLM's ``RequestOutputKind``)."""
 
@@ -56,6 +155,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled by the engine from the tokenizer / generation config; not user-facing.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -115,6 +215,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}.")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")

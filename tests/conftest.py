@@ -89,7 +89,9 @@ def stop_server(handle: ServerHandle, timeout: float = 30.0) -> int:
 
 @pytest.fixture(scope="session")
 def pagedllm_server(tmp_path_factory):
-    handle = start_server(str(tmp_path_factory.mktemp("server") / "serve.log"))
+    # The shared server keeps the flag-gated features on that its tests use (/reset_prefix_cache, cached_tokens).
+    handle = start_server(str(tmp_path_factory.mktemp("server") / "serve.log"), "--server-dev-mode",
+                          "--enable-prompt-tokens-details")
     yield handle
     rc = stop_server(handle)
     assert rc == 0, f"pagedllm serve exited with {rc} on SIGTERM:\n{handle.log_tail()}"

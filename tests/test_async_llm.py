@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -41,11 +41,8 @@ class FakeEngine:
     """Each request emits token ``10 + i`` at its i-th step (one per step) until ``max_tokens``.
 
     ``crash_at_step`` makes ``step`` raise; ``gate`` (an Event), when set up, must be set for a step to run.
-    Uses the real ``LLMEngine.process_prompt`` / ``validate_params``.
+    ``AsyncLLM`` validates with the real ``InputProcessor`` before anything reaches ``add_core_request``.
     """
-
-    process_prompt = LLMEngine.process_prompt
-    validate_params = LLMEngine.validate_params
 
     def __init__(self, crash_at_step=None, step_s=0.002):
         self.config = SimpleNamespace(
@@ -63,12 +60,15 @@ class FakeEngine:
         self.step_s = step_s
         self.thread_ids = set()
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None):
+    def add_core_request(self, req):
         self.thread_ids.add(threading.get_ident())
-        if request_id in self.reqs:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        self.added.append(request_id)
-        self.reqs[request_id] = (prompt, params, [], arrival_time)
+        if req.request_id in self.reqs:
+            raise ValueError(f"request_id {req.request_id!r} is already in use.")
+        self.added.append(req.request_id)
+        self.reqs[req.request_id] = (req, req.sampling_params, [], req.arrival_time)
+
+    def take_request_errors(self):
+        return []
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)
@@ -326,3 +326,161 @@ def test_process_mode_on_real_model():
     finally:
         llm.shutdown()
     assert not llm._backend.is_alive() and llm._backend.proc.exitcode == 0
+
+
+# ---------------------------------------------------------------------------------------------------- issue 18
+class GatedEngine(FakeEngine):
+    """A step waits until ``gate`` is set (a stalled or slow engine)."""
+
+    def __init__(self, limits=None, **kw):
+        super().__init__(**kw)
+        self.gate = threading.Event()
+        if limits is not None:
+            self.config.limits = limits
+
+    def step(self):
+        self.gate.wait(10)
+        return super().step()
+
+
+def test_http_api_key_guards_every_route_but_health(tmp_path):
+    from pagedllm.entrypoints.openai.guards import load_api_keys
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# ops\nk-file\n\n")
+    keys = load_api_keys(["k1", "k2"], str(key_file))
+    assert keys == ["k1", "k2", "k-file"]
+    llm = AsyncLLM(FakeEngine())
+
+    async def main():
+        for open_metrics in (False, True):
+            app = build_app(llm, api_key=keys, shutdown_engine=False, allow_unauthenticated_metrics=open_metrics)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                assert (await c.get("/health")).status_code == 200
+                for method, path, body in (("GET", "/v1/models", None), ("GET", "/openapi.json", None),
+                                           ("GET", "/docs", None), ("GET", "/version", None),
+                                           ("POST", "/tokenize", {"prompt": "ab"}),
+                                           ("POST", "/detokenize", {"tokens": [5]}),
+                                           ("POST", "/v1/completions", {"prompt": "ab", "max_tokens": 1})):
+                    r = await c.request(method, path, json=body)
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+                    for k in keys:
+                        r = await c.request(method, path, json=body, headers={"Authorization": f"Bearer {k}"})
+                        assert r.status_code == 200, (path, r.text)
+                assert (await c.get("/metrics")).status_code == (200 if open_metrics else 401)
+
+    asyncio.run(main())
+    llm.shutdown()
+
+
+def test_dev_endpoint_and_cached_tokens_are_opt_in():
+    llm = AsyncLLM(FakeEngine())
+
+    async def main():
+        for flags in (False, True):
+            app = build_app(llm, shutdown_engine=False, server_dev_mode=flags, enable_prompt_tokens_details=flags)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                r = await c.post("/reset_prefix_cache")
+                assert r.status_code == (200 if flags else 404)
+                r = await c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+                details = r.json()["usage"]["prompt_tokens_details"]
+                assert details == ({"cached_tokens": 0} if flags else None)
+
+    asyncio.run(main())
+    llm.shutdown()
+
+
+def test_admission_queue_full_is_429_with_retry_after():
+    from pagedllm.config import InputLimits
+
+    eng = GatedEngine(limits=InputLimits(max_num_queued_reqs=3, max_num_queued_tokens=10))
+    llm = AsyncLLM(eng)
+
+    async def main():
+        app = build_app(llm, shutdown_engine=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"prompt": "abc", "max_tokens": 2}
+            first = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            assert llm.num_queued == (2, 6)
+            r = await c.post("/v1/completions", json={"prompt": "abcde", "max_tokens": 2})  # 11 tokens > 10
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
+            first.append(asyncio.create_task(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})))
+            await asyncio.sleep(0.2)
+            assert llm.num_queued == (3, 7)
+            r = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})  # 4 requests > 3
+            assert r.status_code == 429
+            eng.gate.set()
+            assert [(await t).status_code for t in first] == [200, 200, 200]
+            assert llm.num_queued == (0, 0)
+            assert (await c.post("/v1/completions", json=body)).status_code == 200
+
+    asyncio.run(main())
+    llm.shutdown()
+
+
+def test_health_watchdog_and_graceful_drain():
+    eng = GatedEngine()
+    llm = AsyncLLM(eng)
+
+    async def main():
+        app = build_app(llm, shutdown_engine=False, health_step_timeout=0.3)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            task = asyncio.create_task(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3,
+                                                                        "stream": True}))
+            await asyncio.sleep(0.6)  # the engine has work but no step finishes
+            h = await c.get("/health")
+            assert h.status_code == 503 and h.json()["error"]["code"] == "engine_stalled"
+            eng.gate.set()
+            assert (await task).status_code == 200
+            assert (await c.get("/health")).status_code == 200
+            # Drain: in-flight streams that can't finish in time end with an error event and [DONE].
+            eng.gate.clear()
+            slow = asyncio.create_task(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 50,
+                                                                        "stream": True}))
+            await asyncio.sleep(0.2)
+            cut = asyncio.create_task(llm.drain(0.3))
+            await asyncio.sleep(0.05)
+            r = await c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+            assert await cut == 1
+            events = [e[6:] for e in (await slow).text.splitlines() if e.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead"
+            eng.gate.set()
+
+    asyncio.run(main())
+    llm.shutdown()
+
+
+def test_per_request_engine_error_fails_only_that_request():
+    from pagedllm.engine.exceptions import RequestFailedError
+
+    class OneBadEngine(FakeEngine):
+        def __init__(self):
+            super().__init__()
+            self.errors = []
+
+        def step(self):
+            outs = super().step()
+            if "bad" in self.reqs:
+                del self.reqs["bad"]
+                self.errors.append(("bad", RequestFailedError("request bad failed in the engine: boom")))
+            return [o for o in outs if o.request_id != "bad"]
+
+        def take_request_errors(self):
+            errors, self.errors = self.errors, []
+            return errors
+
+    llm = AsyncLLM(OneBadEngine())
+
+    async def main():
+        good = [asyncio.create_task(_drain(llm.generate("abc", _params(6), f"g{i}"))) for i in range(3)]
+        with pytest.raises(RequestFailedError):
+            await _drain(llm.generate("abc", _params(6), "bad"))
+        outs = await asyncio.gather(*good)
+        assert all(sum(len(o.outputs[0].token_ids) for o in out) == 6 for out in outs)
+        assert not llm.is_dead
+
+    asyncio.run(main())
+    llm.shutdown()

@@ -313,3 +313,96 @@ def test_invalid_bytes_do_not_stall(llama2_style):
     assert len(d.output_text) > 0
     d.update([v["▁world"]], True)
     assert d.output_text == tok.decode([v["▁Hello"]] + bad + [v["▁world"]])[len("Hello"):]
+
+
+# ------------------------------------------------------------------ stop strings: KMP matcher vs brute force
+
+
+class CharTokenizer:
+    """Token id i is the character ALPHABET[i]: the text is exactly what the test feeds."""
+
+    ALPHABET = "ab"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.ALPHABET[i] for i in ids)
+
+
+def _brute_force(text: str, stops: list[str], include: bool):
+    """(cut text, stop) by definition: the stop string whose first occurrence ends earliest (the longest on a
+    tie); None if none occurs."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or (i + len(s), -len(s)) < (best[0] + len(best[1]), -len(best[1]))):
+            best = (i, s)
+    if best is None:
+        return text, None
+    i, s = best
+    return text[: i + len(s)] if include else text[:i], s
+
+
+def _brute_held_back(text: str, stops: list[str]) -> int:
+    return max((k for s in stops for k in range(1, len(s)) if k <= len(text) and text.endswith(s[:k])), default=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_matcher_equals_brute_force(seed):
+    rng = random.Random(seed)
+    tok = CharTokenizer()
+    for _ in range(150):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 24)))
+        include = rng.random() < 0.5
+        ids = [CharTokenizer.ALPHABET.index(c) for c in text]
+        d = IncrementalDetokenizer(tok, [], stop=stops, include_stop_str_in_output=include)
+        fed, stop, streamed = "", None, ""
+        i = 0
+        while i < len(ids) and stop is None:
+            n = rng.randint(1, 3)
+            fed += text[i:i + n]
+            stop = d.update(ids[i:i + n], False)
+            i += n
+            streamed += d.get_next_output_text(stop is not None, delta=True)
+            if stop is None:  # held back exactly the longest suffix that could begin a stop string
+                assert d.output_text == fed[: len(fed) - _brute_held_back(fed, stops)], (stops, fed)
+        if stop is None:
+            d.update([], True)
+            streamed += d.get_next_output_text(True, delta=True)
+        want_text, want_stop = _brute_force(text, stops, include)
+        assert (stop, d.output_text, streamed) == (want_stop, want_text, want_text), (stops, text, include)
+
+
+def test_stop_strings_cost_linear_memory():
+    """64 stop strings of 1024 characters: the matcher keeps O(total stop length) state (a set of every prefix
+    would hold ~33 M characters)."""
+    import tracemalloc
+
+    stops = [f"{i:02d}" + "x" * 1022 for i in range(64)]
+    tracemalloc.start()
+    d = IncrementalDetokenizer(CharTokenizer(), [], stop=stops)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert sum(len(f) for f in d._stop_fail) == sum(len(s) for s in stops)
+    assert peak < 8 << 20, peak
+
+
+def test_special_token_stop_string_hidden_by_skip_special_tokens():
+    """A stop string equal to a special token's text stops generation even though skip_special_tokens keeps that
+    token out of the text (matched by id; the ids come from the InputProcessor's table)."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.input_processor import InputProcessor
+
+    tok = get_tokenizer(default_model_path())
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = SimpleNamespace(model=SimpleNamespace(vocab_size=len(tok), max_model_len=2048, max_logprobs=20))
+    table = InputProcessor(cfg, tok).special_stop_token_ids(["<|im_end|>", "plain"])
+    assert table == {im_end: "<|im_end|>"}
+    ids = enc(tok, "Hi there") + [im_end] + enc(tok, " more text")
+    for include, want in ((False, "Hi there"), (True, "Hi there<|im_end|>")):
+        d, deltas, stop = run(tok, enc(tok, PROMPT), ids, chunk_sizes=[2] * len(ids), stop=["<|im_end|>"],
+                              include_stop_str_in_output=include, special_stop=table)
+        assert stop == "<|im_end|>" and d.output_text == want and "".join(deltas) == want
+    # Without the table the token is invisible and generation would run on.
+    _, deltas, stop = run(tok, enc(tok, PROMPT), ids, stop=["<|im_end|>"])
+    assert stop is None and "".join(deltas) == "Hi there more text"

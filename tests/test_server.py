@@ -488,3 +488,88 @@ def test_metrics_exposed(server, client, model):
     m = _metrics(server)
     assert m["pagedllm:generation_tokens_total"] >= 4 and m["pagedllm:time_to_first_token_seconds_count"] >= 1
     assert m["pagedllm:prefix_cache_queries_total"] >= m["pagedllm:prefix_cache_hits_total"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------- conformance
+def test_token_id_prompt_with_a_float_names_the_field(server, model):
+    r = httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": [1.5], "max_tokens": 1})
+    err = _check_error(r, 400, "prompt")
+    assert "prompt" in err["message"]
+
+
+def test_continue_final_message_with_add_generation_prompt_is_400(server, model):
+    msgs = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": model, "messages": msgs, "continue_final_message": True, "add_generation_prompt": True})
+    _check_error(r, 400, "continue_final_message")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+])
+def test_continuous_usage_stats_in_every_chunk(server, model, path, body):
+    r = httpx.post(server.url + path, timeout=120, json={
+        "model": model, **body, "max_tokens": 6, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = [e for e in _sse_events(r.text) if e != "[DONE]"]
+    usages = [e["usage"] for e in events]
+    assert all(u is not None for u in usages)
+    prompt_tokens = usages[-1]["prompt_tokens"]
+    assert prompt_tokens > 0 and all(u["prompt_tokens"] == prompt_tokens for u in usages)
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == 6 and usages[-1]["total_tokens"] == prompt_tokens + 6
+
+
+def test_stop_string_equal_to_hidden_special_token(server, model):
+    """``<|im_end|>`` is hidden from the text by skip_special_tokens; as a stop string it still stops (ignore_eos
+    keeps the end-of-turn token from ending the request on its own)."""
+    body = {"model": model, "messages": CHAT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    free = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
+    assert free["finish_reason"] == "length"  # without the stop string the turn's end doesn't stop it
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stop": ["<|im_end|>"]}, timeout=300)
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["stop_reason"] == "<|im_end|>", ch
+    assert "<|im_end|>" not in ch["message"]["content"]
+    assert free["message"]["content"].startswith(ch["message"]["content"])
+
+
+def test_logprob_bytes_of_partial_utf8_tokens(server, model):
+    """Each token of a character split over byte tokens reports its own bytes; together they are the character's
+    UTF-8 encoding (not U+FFFD's bytes)."""
+    emoji = "\U0001F44D"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": emoji, "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) > 1  # the test needs a character split over tokens
+    got = b""
+    for tid in ids:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "model": model, "messages": CHAT, "max_tokens": 1, "allowed_token_ids": [tid], "logprobs": True})
+        entry = r.json()["choices"][0]["logprobs"]["content"][0]
+        got += bytes(entry["bytes"])
+    assert got == emoji.encode("utf-8")
+
+
+def test_return_tokens_as_token_ids(server, model):
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+        "return_tokens_as_token_ids": True}).json()
+    toks = r["choices"][0]["logprobs"]["tokens"]
+    assert len(toks) == 4 and all(re.fullmatch(r"token_id:\d+", t) for t in toks)
+    ids = [int(t.split(":")[1]) for t in toks]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == r["choices"][0]["text"]
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in r["choices"][0]["logprobs"]["top_logprobs"] for k in top)
+    c = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+        "return_tokens_as_token_ids": True}).json()
+    assert all(re.fullmatch(r"token_id:\d+", e["token"]) for e in c["choices"][0]["logprobs"]["content"])
+
+
+def test_prompt_logprobs_with_n_one_entry_per_prompt_token(server, model):
+    n_prompt = _tokenize(server, prompt=PROMPT)
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": PROMPT, "max_tokens": 2, "n": 3, "temperature": 1, "seed": 7,
+        "prompt_logprobs": 1}).json()
+    assert len(r["choices"]) == 3
+    for ch in r["choices"]:
+        assert len(ch["prompt_logprobs"]) == n_prompt and ch["prompt_logprobs"][0] is None

@@ -111,3 +111,110 @@ def test_bad_engine_args(tmp_path):
 def test_kv_too_small_for_max_model_len(tiny_llm):
     with pytest.raises(ValueError, match="max_model_len"):
         tiny_llm.with_engine_args(num_gpu_blocks_override=4, max_model_len=64)
+
+
+# ---------------------------------------------------------------------------------------------------- issue 18
+@pytest.mark.parametrize("params, prompt, field", [
+    (dict(seed=18446744073709551616), [1, 2, 3], "seed"),  # 2**64: torch.Generator raised inside step()
+    (dict(seed=-(2 ** 63) - 1), [1, 2, 3], "seed"),
+    (dict(seed=2 ** 64 - 1, n=2, temperature=1.0), [1, 2, 3], "seed"),  # the second child's seed + 1 overflows
+    (dict(n=129), [1, 2, 3], "n"),
+    (dict(temperature=2.5), [1, 2, 3], "temperature"),
+    (dict(top_k=VOCAB + 1), [1, 2, 3], "top_k"),
+    (dict(repetition_penalty=float("inf")), [1, 2, 3], "repetition_penalty"),
+    (dict(stop=["x"] * 65), [1, 2, 3], "stop"),
+    (dict(stop=["\ud800"]), [1, 2, 3], "stop"),
+    (dict(stop_token_ids=list(range(1025))), [1, 2, 3], "stop_token_ids"),
+    (dict(logit_bias={1: float("nan")}), [1, 2, 3], "logit_bias"),
+    (dict(allowed_token_ids=list(range(VOCAB)) * 14), [1, 2, 3], "allowed_token_ids"),
+    (dict(), {"prompt_token_ids": [1, 2] * 10, "cache_salt": "\ud800"}, "cache_salt"),  # the block hasher raised
+    (dict(), {"prompt_token_ids": [1.5]}, "prompt"),
+])
+def test_engine_killers_are_refused_up_front(tiny_llm, params, prompt, field):
+    eng = tiny_llm.llm_engine
+    with pytest.raises(ValueError, match=field) as e:
+        tiny_llm.generate([prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}],
+                          SamplingParams(max_tokens=4, **params), use_tqdm=False)
+    assert getattr(e.value, "param", field) in (field, "prompt")
+    assert not eng.has_unfinished_requests()
+    out = tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0),
+                            use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_largest_valid_seed_runs(tiny_llm):
+    out = tiny_llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                            SamplingParams(max_tokens=3, seed=2 ** 64 - 2, n=2, temperature=1.0), use_tqdm=False)
+    assert [len(c.token_ids) for c in out[0].outputs] == [3, 3]
+
+
+def _run(eng):
+    got = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = o
+    return got
+
+
+def test_per_request_fault_fails_alone_offline(tiny_llm):
+    """A request whose output processing raises (the fault-injection hook) ends with finish_reason "error" and is
+    reported by take_request_errors; the others in the batch finish with their solo outputs."""
+    from pagedllm.engine.exceptions import RequestFailedError
+
+    eng = tiny_llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = {f"g{i}": [3 + i, 4, 5, 6] for i in range(4)}
+    solo = {rid: tiny_llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+            for rid, p in prompts.items()}
+    for rid, p in prompts.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, sp.clone())
+    eng.add_request("bad", {"prompt_token_ids": [9, 9, 9]}, SamplingParams(temperature=0.0, max_tokens=8, n=2))
+    eng.step()
+    for c in eng.output_processor.parents["bad"].children:
+        c.fault = "request"
+    got = _run(eng)
+    errors = eng.take_request_errors()
+    assert [rid for rid, _ in errors] == ["bad"] and isinstance(errors[0][1], RequestFailedError)
+    assert {c.finish_reason for c in got["bad"].outputs} == {"error"}
+    assert {rid: got[rid].outputs[0].token_ids for rid in prompts} == solo
+    assert not eng.engine_core.scheduler.requests and eng.engine_core.kv_cache_manager.usage == 0
+
+
+def test_request_setup_fault_queues_nothing(tiny_llm):
+    """A request whose set-up raises in the engine (here: a salt the validator would refuse, hashed on add) is
+    not queued and leaves the engine unharmed."""
+    import time
+
+    from pagedllm.engine.input_processor import EngineCoreRequest
+
+    eng = tiny_llm.llm_engine
+    req = EngineCoreRequest("raw", None, [1, 2, 3, 4] * 3, SamplingParams(max_tokens=2), time.time(),
+                            cache_salt="\ud800")
+    with pytest.raises(UnicodeEncodeError):
+        eng.add_core_request(req)
+    assert not eng.has_unfinished_requests() and "raw" not in eng.output_processor.parents
+    assert len(_run_one(tiny_llm)) == 2
+
+
+def _run_one(tiny_llm):
+    return tiny_llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2), use_tqdm=False)[0] \
+        .outputs[0].token_ids
+
+
+def test_forward_fault_propagates(tiny_llm):
+    from pagedllm.engine.fault_injection import InjectedFault
+
+    eng = tiny_llm.with_engine_args().llm_engine  # a fresh engine: this one is left broken
+    eng.add_request("f", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
+    eng.engine_core.forward_fault_req_ids.add("f")
+    with pytest.raises(InjectedFault):
+        eng.step()
+
+
+def test_prompt_logprobs_one_entry_per_prompt_token_with_n(tiny_llm):
+    out = tiny_llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                            SamplingParams(max_tokens=2, n=3, temperature=1.0, seed=1, prompt_logprobs=1),
+                            use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == 4 and out.prompt_logprobs[0] is None
+    assert all(d is not None and t in d for d, t in zip(out.prompt_logprobs[1:], [6, 7, 8]))

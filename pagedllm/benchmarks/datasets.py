@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-WORKLOADS = ("random", "mixed", "shared-prefix", "chat")
+WORKLOADS = ("random", "mixed", "shared-prefix", "chat", "json-schema")
 
 
 @dataclass
@@ -141,6 +141,12 @@ def load_chat_conversations() -> list[dict]:
         return json.load(f)["conversations"]
 
 
+def load_json_schemas() -> list[dict]:
+    """``[{"prompt", "schema"}]``: the json-schema workload (data/json_schemas.json)."""
+    with open(os.path.join(DATA_DIR, "json_schemas.json")) as f:
+        return json.load(f)
+
+
 def load_shared_prefix() -> dict:
     with open(os.path.join(DATA_DIR, "shared_prefix.json")) as f:
         return json.load(f)
@@ -217,6 +223,18 @@ def make_requests(
             msgs = convs[order[i % len(order)]]
             text, ids = _render_chat(tok, msgs, chat_template)
             reqs.append(BenchRequest(prompt=text, prompt_token_ids=ids, output_len=output_len, messages=msgs))
+    elif name == "json-schema":
+        # Realistic extraction/classification prompts, each with its JSON schema (BenchRequest.extra["schema"]);
+        # bench serve constrains --structured-output-ratio of them and reports the share of valid outputs.
+        items = load_json_schemas()
+        order = list(range(len(items)))
+        rng.shuffle(order)
+        for i in range(num_prompts):
+            item = items[order[i % len(order)]]
+            msgs = [{"role": "user", "content": item["prompt"]}]
+            text, ids = _render_chat(tok, msgs, chat_template)
+            reqs.append(BenchRequest(prompt=text, prompt_token_ids=ids, output_len=output_len, messages=msgs,
+                                     extra={"schema": item["schema"]}))
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if max_model_len is not None:

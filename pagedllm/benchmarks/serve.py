@@ -51,6 +51,8 @@ class RequestResult:
     generated_text: str = ""
     error: str = ""
     start_time: float = 0.0
+    schema: Optional[dict] = None  # the JSON schema the request was constrained to (json-schema workload)
+    finish_reason: Optional[str] = None
 
 
 def _percentile(xs: list[float], p: float) -> float:
@@ -67,6 +69,16 @@ def _request_body(req: BenchRequest, backend: str, model: str, ignore_eos: bool,
                   use_token_ids: bool) -> tuple[str, dict]:
     common = {"model": model, "temperature": temperature, "stream": True,
               "stream_options": {"include_usage": True}, "max_tokens": req.output_len}
+    schema = req.extra.get("constrain")
+    if schema is not None:
+        # OpenAI's strict json_schema (chat) / vLLM's structured_outputs (completions); a constrained output ends
+        # where its grammar does, so ignore_eos is off for it.
+        ignore_eos = False
+        if backend == "openai-chat":
+            common["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": schema, "strict": True}}
+        else:
+            common["structured_outputs"] = {"json": schema}
     if ignore_eos:
         common["ignore_eos"] = True  # a vLLM extension that llama-server and ours accept too
     if backend == "openai-chat":
@@ -85,7 +97,7 @@ async def _send(session, base_url: str, headers: dict, req: BenchRequest, backen
     import aiohttp
 
     path, body = _request_body(req, backend, model, ignore_eos, temperature, use_token_ids)
-    res = RequestResult(prompt_len=req.prompt_len)
+    res = RequestResult(prompt_len=req.prompt_len, schema=req.extra.get("constrain"))
     usage = None
     texts: list[str] = []
     st = time.perf_counter()
@@ -116,6 +128,7 @@ async def _send(session, base_url: str, headers: dict, req: BenchRequest, backen
                     if d.get("usage"):
                         usage = d["usage"]
                     for ch in d.get("choices") or ():
+                        res.finish_reason = ch.get("finish_reason") or res.finish_reason
                         text = (ch.get("delta") or {}).get("content") if backend == "openai-chat" else ch.get("text")
                         if text:
                             now = time.perf_counter()
@@ -218,6 +231,13 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
         m[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else float("nan")
         for p in percentiles:
             m[f"p{_pct_name(p)}_{name}_ms"] = _percentile(ms, p)
+    constrained = [r for r in results if r.schema is not None]
+    if constrained:
+        m["structured_requests"] = len(constrained)
+        m["valid_outputs"] = sum(_valid_json(r.generated_text, r.schema) for r in constrained if r.success)
+        m["valid_output_rate"] = m["valid_outputs"] / len(constrained)
+        # invalid ones cut off by max_tokens (an unfinished JSON text) vs finished but invalid (a grammar bug)
+        m["structured_cut_by_length"] = sum(1 for r in constrained if r.success and r.finish_reason == "length")
     m["errors"] = sorted({r.error for r in results if not r.success})[:10]
     m["input_lens"] = [r.prompt_len for r in ok]
     m["output_lens"] = [r.output_tokens for r in ok]
@@ -225,6 +245,17 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
     m["itls"] = itls
     m["e2els"] = e2els
     return m
+
+
+def _valid_json(text: str, schema: dict) -> bool:
+    """Whether ``text`` is JSON valid against ``schema`` (failed or cut-off outputs are not)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+        return False
+    return True
 
 
 def _pct_name(p: float) -> str:
@@ -249,6 +280,10 @@ def format_table(m: dict, percentiles: tuple[float, ...] = (99.0,), title: str =
     row("Request throughput (req/s):", m["request_throughput"])
     row("Output token throughput (tok/s):", m["output_throughput"])
     row("Total token throughput (tok/s):", m["total_token_throughput"])
+    if "structured_requests" in m:
+        row("Structured requests:", m["structured_requests"], "{:<10}")
+        row("Valid outputs (JSON, schema):", f"{m['valid_outputs']} ({100 * m['valid_output_rate']:.1f}%)")
+        row("Structured outputs cut by max_tokens:", m["structured_cut_by_length"], "{:<10}")
     for name, head in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"{head:-^{w}}")
@@ -336,6 +371,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="JSON file to save (default: benchmarks/results/serve-<label>-<time>.json).")
     p.add_argument("--plot", default=None, help="PNG to save (default: the result file with .png).")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--structured-output-ratio", type=float, default=1.0,
+                   help="json-schema workload: share of requests constrained to their schema (response_format "
+                        "json_schema on chat, structured_outputs on completions); the valid-output rate is reported.")
     add_dataset_args(p)
 
 
@@ -349,6 +387,22 @@ async def _first_model(base_url: str, api_key: Optional[str]) -> str:
             return (await r.json())["data"][0]["id"]
 
 
+def mark_structured(reqs: list[BenchRequest], ratio: float, seed: int) -> int:
+    """Constrains ``round(ratio * n)`` of the requests that carry a schema (json-schema workload), chosen with
+    ``seed``; the others run unconstrained (same prompts). Returns how many were constrained."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"structured_output_ratio must be in [0, 1], got {ratio}.")
+    with_schema = [i for i, r in enumerate(reqs) if "schema" in r.extra]
+    k = round(ratio * len(with_schema))
+    chosen = set(random.Random(seed).sample(with_schema, k)) if k else set()
+    for i in with_schema:
+        if i in chosen:
+            reqs[i].extra["constrain"] = reqs[i].extra["schema"]
+        else:
+            reqs[i].extra.pop("constrain", None)
+    return k
+
+
 def run_serve_benchmark(ns: argparse.Namespace) -> dict:
     base_url = ns.base_url.rstrip("/")
     if base_url.endswith("/v1"):
@@ -356,6 +410,7 @@ def run_serve_benchmark(ns: argparse.Namespace) -> dict:
     num_prompts = ns.num_prompts or 64
     tok = load_tokenizer(ns.tokenizer)
     reqs = requests_from_args(ns, tok, num_prompts)
+    mark_structured(reqs, ns.structured_output_ratio, ns.seed)
     model = ns.model or asyncio.run(_first_model(base_url, ns.api_key))
     percentiles = tuple(ns.percentiles)
     levels = []
@@ -379,6 +434,7 @@ def run_serve_benchmark(ns: argparse.Namespace) -> dict:
         "dataset_name": ns.dataset_name,
         "num_prompts": num_prompts,
         "ignore_eos": ns.ignore_eos,
+        "structured_output_ratio": ns.structured_output_ratio if ns.dataset_name == "json-schema" else None,
         "request_rate": ns.request_rate if ns.request_rate != float("inf") else "inf",
         "max_concurrency": ns.max_concurrency,
         "percentiles": list(percentiles),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,6 +50,9 @@ class SchedulerOutput:
     # Models with several KV cache groups (sliding-window layers beside full-attention ones): block ids of groups
     # 1.. allocated this step, per request, ``[group - 1][i]`` (the whole tables for a new or resumed request).
     new_group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Structured outputs: ``(bitmask int32 [R, ceil(V / 32)], {request id: row})`` of the constrained requests that
+    # sample this step, set by the engine core after schedule() (see pagedllm.structured_output).
+    grammar_bitmask: Optional[Any] = None
 
     @property
     def is_empty(self) -> bool:

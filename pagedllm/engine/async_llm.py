@@ -9,9 +9,17 @@ Where the engine loop runs (``engine_mode``):
   back up another, read by a thread here). Measured with 16 concurrent streams on this 2-core machine (shared with
   other jobs, load ~9): no difference beyond run-to-run noise, so the simpler thread is the default.
 
-The *event loop thread* validates and tokenizes prompts (``process_prompt`` / ``validate_params`` only read the
-config and the tokenizer), so a bad request fails in its caller before anything is queued or streamed, and the
-engine step never waits on tokenization. Each request gets a ``RequestOutputCollector`` (its queue).
+The *event loop thread* runs the ``InputProcessor`` (it only reads the config and the tokenizer): a request is
+validated and tokenized into a typed ``EngineCoreRequest`` there, so a bad request fails in its caller before
+anything is queued or streamed, the engine thread never sees unvalidated input, and the step never waits on
+tokenization. Messages into the engine loop are typed (``AddRequest``, ``AbortRequest``, ``UtilityCall``), and so
+are those out of it (``StepOutputs``, ``AddError``, ``CallResult``). Each request gets a
+``RequestOutputCollector`` (its queue).
+
+Admission is bounded (vLLM's ``--max-num-queued-reqs`` / ``--max-num-queued-tokens``): a request counts as queued
+from ``generate`` until its first output (or its end); past either bound ``generate`` raises ``QueueFullError``
+(the server's 429), unless the queue is empty (so one large request is never refused forever).
+A request whose own processing raises in the engine fails alone (``RequestFailedError``, see ``llm_engine``).
 Aborts (client gone, generator closed or cancelled) go through the inbox; the engine loop applies them before its
 next step, so the request's KV blocks are free within one step. If the loop raises (or the child dies), the engine
 is dead: every in-flight request gets ``EngineDeadError``, new ones are refused, and ``is_dead`` turns true (the
@@ -40,22 +48,28 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional
 
-from pagedllm.engine.llm_engine import LLMEngine, ProcessedPrompt, PromptType
+from dataclasses import dataclass, field
+
+from pagedllm.engine.exceptions import (
+    EngineDeadError,
+    EngineShuttingDownError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from pagedllm.engine.input_processor import EngineCoreRequest, InputProcessor, ProcessedPrompt, PromptType
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestOutputCollector"]
+__all__ = ["AbortRequest", "AddError", "AddRequest", "AsyncLLM", "CallResult", "EngineDeadError",
+           "RequestOutputCollector", "StepOutputs", "UtilityCall"]
 
 # A step that returns nothing this fast did no work (e.g. a waiting request that can't be scheduled yet); the loop
 # then waits this long (or until the inbox changes) instead of spinning.
 _EMPTY_STEP_S = 0.001
 _EMPTY_STEP_BACKOFF_S = 0.01
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (it crashed or was shut down); no request can be served."""
 
 
 def _merge_output(dst: RequestOutput, src: RequestOutput) -> None:
@@ -115,9 +129,46 @@ class RequestOutputCollector:
 
 
 # ---------------------------------------------------------------------------------------------------- engine side
-# Messages into the engine loop: ("add", request_id, ProcessedPrompt, SamplingParams, arrival_time, cache_salt),
-# ("abort", request_id), ("call", method_name, args, call_id). Messages out of it (to ``AsyncLLM._on_engine``):
-# ("step", outputs, SchedulerStats, time), ("add_error", request_id, exc), ("result", call_id, result, exc).
+# Messages into the engine loop.
+@dataclass
+class AddRequest:
+    request: EngineCoreRequest  # validated by the InputProcessor
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class UtilityCall:
+    method: str  # one of _CALLABLE
+    args: tuple
+    call_id: int
+
+
+# Messages out of it (to ``AsyncLLM._on_engine``).
+@dataclass
+class StepOutputs:
+    outputs: list[RequestOutput]
+    stats: Any  # SchedulerStats
+    time: float
+    errors: list = field(default_factory=list)  # (request_id, RequestFailedError): requests that failed alone
+
+
+@dataclass
+class AddError:
+    request_id: str
+    error: BaseException
+
+
+@dataclass
+class CallResult:
+    call_id: int
+    result: Any
+    error: Optional[BaseException]
+
+
 _CALLABLE = frozenset({"reset_prefix_cache"})
 
 
@@ -133,32 +184,31 @@ def _engine_loop(engine: LLMEngine, get_inbox: Callable[[bool, float], Optional[
             return
         outputs: list[RequestOutput] = []
         for item in inbox:
-            kind = item[0]
-            if kind == "add":
-                _, rid, pp, params, arrival, salt = item
+            if isinstance(item, AddRequest):
                 try:
-                    engine.add_request(rid, pp, params, arrival_time=arrival, cache_salt=salt)
-                except ValueError as e:
-                    emit(("add_error", rid, e))
-            elif kind == "abort":
-                outputs.extend(engine.abort_request(item[1]))
-            elif kind == "call":
-                _, name, args, call_id = item
+                    engine.add_core_request(item.request)
+                except Exception as e:  # noqa: BLE001 - this request's set-up failed; nothing was queued
+                    emit(AddError(item.request.request_id, e))
+            elif isinstance(item, AbortRequest):
+                outputs.extend(engine.abort_request(item.request_id))
+            elif isinstance(item, UtilityCall):
                 try:
-                    if name not in _CALLABLE:
-                        raise ValueError(f"engine method {name!r} can't be called remotely")
-                    result, exc = getattr(engine, name)(*args), None
+                    if item.method not in _CALLABLE:
+                        raise ValueError(f"engine method {item.method!r} can't be called remotely")
+                    result, exc = getattr(engine, item.method)(*item.args), None
                 except Exception as e:  # noqa: BLE001 - the caller gets it; the engine is fine
                     result, exc = None, e
-                emit(("result", call_id, result, exc))
+                emit(CallResult(item.call_id, result, exc))
         backoff = 0.0
+        errors: list = []
         if engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            step_outputs = engine.step()
+            step_outputs = engine.step()  # a fault here (the forward) is no one request's: it ends the loop
             if not step_outputs and time.perf_counter() - t0 < _EMPTY_STEP_S:
                 backoff = _EMPTY_STEP_BACKOFF_S
             outputs.extend(step_outputs)
-        emit(("step", outputs, engine.engine_core.make_stats(), time.time()))
+            errors = engine.take_request_errors()
+        emit(StepOutputs(outputs, engine.engine_core.make_stats(), time.time(), errors))
 
 
 class _ThreadBackend:
@@ -187,7 +237,7 @@ class _ThreadBackend:
         if executor is not None:  # a worker process that dies while the engine is idle is reported at once
             executor.on_death(on_dead)
 
-    def submit(self, item: tuple) -> None:
+    def submit(self, item: Any) -> None:
         with self._cond:
             self._inbox.append(item)
             self._cond.notify()
@@ -254,7 +304,7 @@ def _engine_process_main(config, requests, replies) -> None:
                 return items
         while requests.poll(0):
             item = requests.recv()
-            if item[0] == "stop":
+            if item == ("stop",):
                 return None
             items.append(item)
         return items
@@ -317,7 +367,7 @@ class _ProcessBackend:
         self.thread = threading.Thread(target=self._read, name="pagedllm-engine-reader", daemon=True)
         self.thread.start()
 
-    def submit(self, item: tuple) -> None:
+    def submit(self, item: Any) -> None:
         try:
             with self._send_lock:
                 self._req_w.send(item)
@@ -328,7 +378,7 @@ class _ProcessBackend:
         try:
             while True:
                 msg = self._rep_r.recv()
-                if msg[0] == "dead":
+                if isinstance(msg, tuple) and msg[0] == "dead":
                     self._on_dead(EngineDeadError(f"the engine stopped: {msg[1]}"))
                     return
                 self._on_message(msg)
@@ -349,10 +399,7 @@ class _ProcessBackend:
 
 
 class _Frontend:
-    """What the caller side needs from the engine in process mode: config, tokenizer, prompt validation."""
-
-    process_prompt = LLMEngine.process_prompt
-    validate_params = LLMEngine.validate_params
+    """What the caller side needs from the engine in process mode: config and tokenizer."""
 
     def __init__(self, config) -> None:
         from pagedllm.tokenizer import get_tokenizer
@@ -362,6 +409,50 @@ class _Frontend:
 
 
 # ---------------------------------------------------------------------------------------------------- caller side
+class RequestStream:
+    """The outputs of one request (``AsyncLLM.add_request``): an async iterator; ``aclose()`` (or an error)
+    before the last output aborts the request."""
+
+    __slots__ = ("_llm", "request_id", "_collector", "_kind", "_total", "_done")
+
+    def __init__(self, llm: "AsyncLLM", request_id: str, collector: RequestOutputCollector,
+                 kind: RequestOutputKind) -> None:
+        self._llm = llm
+        self.request_id = request_id
+        self._collector = collector
+        self._kind = kind
+        self._total: Optional[RequestOutput] = None
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._collector.get()
+        except BaseException:
+            self._done = True
+            self._llm.abort_stream(self.request_id)
+            raise
+        if out.finished:
+            self._done = True
+            self._llm._unqueue(self.request_id)
+        if self._kind == RequestOutputKind.CUMULATIVE:
+            if self._total is None:
+                self._total = out
+            else:
+                _merge_output(self._total, out)
+            out = copy.deepcopy(self._total)
+        return out
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._llm.abort_stream(self.request_id)
+
+
 class AsyncLLM:
     """Async front of an ``LLMEngine`` whose loop runs beside the event loop.
 
@@ -383,6 +474,12 @@ class AsyncLLM:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._dead: Optional[EngineDeadError] = None
+        self._draining = False
+        # Admission queue (see the module note): request id -> (children, prompt tokens of all children).
+        self._queued: dict[str, tuple[int, int]] = {}
+        self._num_queued_reqs = 0
+        self._num_queued_tokens = 0
+        self._last_progress = time.monotonic()  # the last step's end, or when work arrived at an idle engine
         if engine is not None:
             self._backend = _ThreadBackend(engine, self._on_engine, self._on_dead)
             self.engine = self._backend.engine
@@ -391,6 +488,8 @@ class AsyncLLM:
             self.engine = _Frontend(config)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.limits = self.input_processor.limits
         if log_stats:
             from pagedllm.metrics import EngineMetrics
 
@@ -430,14 +529,51 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._collectors)
 
+    @property
+    def num_queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) admitted but not yet producing output."""
+        return self._num_queued_reqs, self._num_queued_tokens
+
+    def seconds_since_progress(self) -> float:
+        """Seconds the engine has had work without finishing a step (0 when it has none): the ``/health``
+        watchdog's measure."""
+        if not self._collectors:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress)
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
+
     # ------------------------------------------------------------------ caller side (event loop thread)
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenizes and validates ``prompt`` in the caller's thread. Raises ValueError naming the field."""
-        return self.engine.process_prompt(prompt)
+        return self.input_processor.process_prompt(prompt)
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """Raises ValueError naming the field."""
-        self.engine.validate_params(params, num_prompt_tokens)
+        self.input_processor.process_params(params, num_prompt_tokens)
+
+    def _admit(self, request_id: str, n: int, num_prompt_tokens: int) -> None:
+        """Counts the request into the admission queue, or raises ``QueueFullError``."""
+        lim = self.limits
+        reqs, toks = self._num_queued_reqs, self._num_queued_tokens
+        tokens = n * num_prompt_tokens
+        if reqs and ((lim.max_num_queued_reqs and reqs + n > lim.max_num_queued_reqs)
+                     or (lim.max_num_queued_tokens and toks + tokens > lim.max_num_queued_tokens)):
+            raise QueueFullError(
+                f"the server's request queue is full ({reqs} requests, {toks} prompt tokens waiting; "
+                f"--max-num-queued-reqs={lim.max_num_queued_reqs}, --max-num-queued-tokens="
+                f"{lim.max_num_queued_tokens}); retry later.")
+        self._queued[request_id] = (n, tokens)
+        self._num_queued_reqs = reqs + n
+        self._num_queued_tokens = toks + tokens
+
+    def _unqueue(self, request_id: str) -> None:
+        q = self._queued.pop(request_id, None)
+        if q is not None:
+            self._num_queued_reqs -= q[0]
+            self._num_queued_tokens -= q[1]
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -446,6 +582,42 @@ class AsyncLLM:
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to another event loop")
         return loop
+
+    def add_request(
+        self,
+        prompt: PromptType | ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+    ) -> "RequestStream":
+        """Validates the request (``InputProcessor``), admits it (the bounded queue) and queues it, now; returns
+        the stream of its outputs. Nothing is queued if it raises. Must run on the event loop's thread.
+
+        Raises:
+            ValueError (``InvalidRequestError``): bad prompt or parameters, or a duplicate ``request_id``.
+            QueueFullError: the admission queue is full.
+            EngineShuttingDownError: the server is draining.
+            EngineDeadError: the engine stopped.
+        """
+        self._bind_loop()
+        if self._dead is not None:
+            raise self._dead
+        if self._draining:
+            raise EngineShuttingDownError("the server is shutting down; no new requests are admitted.")
+        if request_id in self._collectors:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
+        kind = params.output_kind
+        engine_params = copy.copy(params)
+        engine_params.output_kind = RequestOutputKind.DELTA
+        request = self.input_processor.make_request(request_id, prompt, engine_params, arrival_time, cache_salt)
+        self._admit(request_id, params.n, len(request.prompt_token_ids))
+        collector = RequestOutputCollector(kind)
+        if not self._collectors:
+            self._last_progress = time.monotonic()
+        self._collectors[request_id] = collector
+        self._backend.submit(AddRequest(request))
+        return RequestStream(self, request_id, collector, kind)
 
     async def generate(
         self,
@@ -462,46 +634,30 @@ class AsyncLLM:
 
         Raises:
             ValueError: bad prompt or parameters (before anything is queued), or a duplicate ``request_id``.
+            QueueFullError, EngineShuttingDownError: not admitted (see ``add_request``).
+            RequestFailedError: the request's own processing failed in the engine (the engine runs on).
             EngineDeadError: the engine stopped.
         """
-        self._bind_loop()
-        if self._dead is not None:
-            raise self._dead
-        if request_id in self._collectors:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        pp = prompt if isinstance(prompt, ProcessedPrompt) else self.engine.process_prompt(prompt)
-        self.engine.validate_params(params, len(pp.prompt_token_ids))
-        kind = params.output_kind
-        engine_params = copy.copy(params)
-        engine_params.output_kind = RequestOutputKind.DELTA
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        collector = RequestOutputCollector(kind)
-        self._collectors[request_id] = collector
-        self._backend.submit(("add", request_id, pp, engine_params, arrival_time, cache_salt))
-        finished = False
-        total: Optional[RequestOutput] = None
+        stream = self.add_request(prompt, params, request_id, arrival_time, cache_salt)
         try:
-            while not finished:
-                out = await collector.get()
-                finished = out.finished
-                if kind == RequestOutputKind.CUMULATIVE:
-                    if total is None:
-                        total = out
-                    else:
-                        _merge_output(total, out)
-                    out = copy.deepcopy(total)
+            async for out in stream:
                 yield out
         finally:
-            if not finished:
-                self._collectors.pop(request_id, None)
-                if self._dead is None:
-                    self._backend.submit(("abort", request_id))
+            await stream.aclose()
+
+    def abort_stream(self, request_id: str) -> None:
+        """A stream closed before its request finished: abort the request."""
+        self._unqueue(request_id)
+        self._collectors.pop(request_id, None)
+        if self._dead is None:
+            self._backend.submit(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request (its generator, if still iterated, then waits forever: prefer closing it)."""
         self._bind_loop()
         self._collectors.pop(request_id, None)
-        self._backend.submit(("abort", request_id))
+        self._unqueue(request_id)
+        self._backend.submit(AbortRequest(request_id))
 
     async def call_in_engine(self, method: str, *args: Any) -> Any:
         """Runs ``engine.<method>(*args)`` in the engine loop between two steps and returns its result."""
@@ -510,7 +666,7 @@ class AsyncLLM:
             raise self._dead
         call_id = next(self._call_ids)
         fut = self._calls[call_id] = loop.create_future()
-        self._backend.submit(("call", method, args, call_id))
+        self._backend.submit(UtilityCall(method, args, call_id))
         try:
             return await fut
         finally:
@@ -519,6 +675,25 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.call_in_engine("reset_prefix_cache")
 
+    def start_draining(self) -> None:
+        """Stops admission: from now on ``generate`` raises ``EngineShuttingDownError`` (the server's 503)."""
+        self._draining = True
+
+    async def drain(self, timeout: float) -> int:
+        """Stops admission and waits up to ``timeout`` s for the requests in flight to finish; the rest then end
+        with ``EngineDeadError`` (a stream gets an error event and ``[DONE]``). Returns how many were cut."""
+        self._bind_loop()
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._collectors and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        cut = len(self._collectors)
+        if cut:
+            self._fail_all(EngineDeadError(f"the server shut down before this request finished "
+                                           f"(--graceful-shutdown-timeout={timeout:g} s)."))
+            await asyncio.sleep(0)  # let the streams take their error
+        return cut
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine loop (after its current step); in-flight requests get ``EngineDeadError``."""
         self._backend.shutdown(timeout)
@@ -526,18 +701,19 @@ class AsyncLLM:
     # ------------------------------------------------------------------ engine side -> event loop
     def _on_engine(self, msg: tuple) -> None:
         """A message from the engine loop; runs on the engine thread (or the process backend's reader thread)."""
-        kind = msg[0]
-        if kind == "step":
-            _, outputs, stats, now = msg
-            if outputs:
-                self._post(self._deliver, outputs)
+        if isinstance(msg, StepOutputs):
+            self._last_progress = time.monotonic()
+            for rid, err in msg.errors:  # before the outputs, so the failed request's final output finds no one
+                self._post(self._fail, rid, err)
+            if msg.outputs:
+                self._post(self._deliver, msg.outputs)
             if self.metrics is not None:
-                self.metrics.record_outputs(outputs, now)
-                self.metrics.record_scheduler_stats(stats)
-        elif kind == "add_error":
-            self._post(self._fail, msg[1], msg[2])
-        elif kind == "result":
-            self._post(self._resolve_call, msg[1], msg[2], msg[3])
+                self.metrics.record_outputs(msg.outputs, msg.time)
+                self.metrics.record_scheduler_stats(msg.stats)
+        elif isinstance(msg, AddError):
+            self._post(self._fail, msg.request_id, msg.error)
+        elif isinstance(msg, CallResult):
+            self._post(self._resolve_call, msg.call_id, msg.result, msg.error)
 
     def _on_dead(self, err: EngineDeadError) -> None:
         self._dead = err
@@ -558,17 +734,22 @@ class AsyncLLM:
             c = collectors.get(ro.request_id)
             if c is None:
                 continue  # aborted: nobody is listening
+            if ro.request_id in self._queued:
+                self._unqueue(ro.request_id)
             if ro.finished:
                 del collectors[ro.request_id]
             c.put(ro)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
+        self._unqueue(request_id)
         c = self._collectors.pop(request_id, None)
         if c is not None:
             c.put(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         collectors, self._collectors = self._collectors, {}
+        self._queued.clear()
+        self._num_queued_reqs = self._num_queued_tokens = 0
         for c in collectors.values():
             c.put(exc)
         calls, self._calls = self._calls, {}

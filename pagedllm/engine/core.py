@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler and the model runner. Not thread-safe: one thread drives it."""
 
-    def __init__(self, config: EngineConfig, model=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, structured_output_manager=None) -> None:
+        """``structured_output_manager``: a ``StructuredOutputManager`` (grammar-constrained requests), or None."""
         from pagedllm.kv_cache_spec import plan_kv_cache_layout
         from pagedllm.model_loader.loader import load_model
         from pagedllm.worker.model_runner import ModelRunner, determine_num_blocks
@@ -46,6 +47,8 @@ class EngineCore:
             self.runner = ModelRunner(config, model, num_blocks, layout=layout)
             group_windows = layout.group_windows
         self.num_blocks = num_blocks
+        # Test hook (engine/fault_injection.py): a step that schedules one of these raises in the forward.
+        self.forward_fault_req_ids: set[str] = set()
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching, group_windows)
         sc = config.scheduler
@@ -63,20 +66,86 @@ class EngineCore:
             self.max_in_flight_batches = pc.max_in_flight_batches
             self.batch_queue = deque()
             self.step = self.step_with_batch_queue
+        self.structured_output_manager = structured_output_manager
 
     def add_request(self, request: Request) -> None:
+        so = self.structured_output_manager
+        if request.sampling_params.structured_outputs is not None:
+            if so is None:
+                raise ValueError("structured_outputs needs a tokenizer (the engine runs with skip_tokenizer_init).")
+            if request.request_id in self.scheduler.requests:
+                raise ValueError(f"request_id {request.request_id!r} is already in use.")
+            so.add_request(request)  # it enters the scheduler once its grammar is compiled
+            return
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        request_ids = list(request_ids)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove_requests(request_ids)
         self.scheduler.finish_requests(request_ids, status)
 
+    # ------------------------------------------------------------------ structured outputs (small hooks)
+    def _admit_grammar_requests(self) -> list[EngineCoreOutput]:
+        """Moves requests whose grammar compiled into the scheduler; those whose compile failed finish (abort).
+        With nothing else to run, waits a little for a compile instead of spinning."""
+        so = self.structured_output_manager
+        if not self.scheduler.has_unfinished_requests():
+            so.wait_pending(timeout=0.05)
+        ready, failed = so.take_ready()
+        for req in ready:
+            self.scheduler.add_request(req)
+        outs = []
+        for req, msg in failed:
+            logger.warning("request %s: %s", req.request_id, msg)
+            req.status = RequestStatus.FINISHED_ABORTED
+            outs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=msg))
+        return outs
+
+    def _attach_grammar_bitmask(self, sched, overlap: bool = False) -> None:
+        """Sets ``sched.grammar_bitmask``. ``overlap`` (in-process runner): a future filled in the manager's mask
+        thread while the forward pass runs (the runner waits for it only before sampling; nothing advances the
+        matchers meanwhile)."""
+        so = self.structured_output_manager
+        if so is not None and so.has_constrained() and not sched.is_empty:
+            if overlap:
+                sched.grammar_bitmask = so.grammar_bitmask_async(sched, self.scheduler.requests)
+            else:
+                sched.grammar_bitmask = so.grammar_bitmask(sched, self.scheduler.requests)
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+        """Feeds each step's accepted tokens to the matchers; forgets finished requests."""
+        so = self.structured_output_manager
+        if so is None or not so.has_constrained():
+            return
+        requests = self.scheduler.requests
+        for o in outputs:
+            if o.new_token_ids and not o.finished:
+                req = requests.get(o.request_id)
+                so.accept_tokens(o.request_id, o.new_token_ids,
+                                 (lambda r=req: list(r.output_token_ids)) if req is not None else None)
+            elif o.finished:
+                so.remove_requests([o.request_id])
+
     def step(self) -> list[EngineCoreOutput]:
+        extra = []
+        if self.structured_output_manager is not None and self.structured_output_manager.has_pending():
+            extra = self._admit_grammar_requests()
         sched = self.scheduler.schedule()
+        if self.forward_fault_req_ids and not self.forward_fault_req_ids.isdisjoint(sched.num_scheduled_tokens):
+            from pagedllm.engine.fault_injection import InjectedFault
+
+            raise InjectedFault("injected fault in the model forward")
+        self._attach_grammar_bitmask(sched, overlap=self.executor is None)
         out = self.runner.execute_model(sched)
+        if hasattr(sched.grammar_bitmask, "result"):
+            sched.grammar_bitmask.result()  # the fill is done before any matcher advances
         if sched.is_empty:
-            return []
-        return self.scheduler.update_from_output(sched, out)
+            return extra
+        outputs = self.scheduler.update_from_output(sched, out)
+        self._advance_grammars(outputs)
+        return extra + outputs if extra else outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """``step`` with several batches in flight: schedules and sends batches until ``max_in_flight_batches``
@@ -91,25 +160,33 @@ class EngineCore:
         q = self.batch_queue
         scheduler = self.scheduler
         max_reqs = -(-(len(scheduler.running) + len(scheduler.waiting)) // self.max_in_flight_batches)
+        extra = []  # failed grammar compiles
+        if self.structured_output_manager is not None and self.structured_output_manager.has_pending():
+            extra = self._admit_grammar_requests()
         while len(q) < self.max_in_flight_batches:
             sched = scheduler.schedule(max(1, max_reqs))
             if sched.is_empty:
                 if not q:  # nothing in flight: the empty step tells the workers which requests finished
                     self.executor.execute_model(sched)
-                    return []
+                    return extra
                 # Those ids go out with the next batch instead (the runner drops a finished request's state).
                 scheduler.finished_req_ids |= sched.finished_req_ids
                 break
             scheduler.mark_in_flight(sched)
+            self._attach_grammar_bitmask(sched)
             q.append((self.executor.execute_model(sched, non_block=True), sched))
             if len(q) > self.num_batches_in_flight_peak:
                 self.num_batches_in_flight_peak = len(q)
         pending, sched = q.popleft()
-        return scheduler.update_from_output(sched, pending.result())
+        outputs = scheduler.update_from_output(sched, pending.result())
+        self._advance_grammars(outputs)
+        return extra + outputs if extra else outputs
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting or running, or a batch is still in flight."""
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        so = self.structured_output_manager
+        return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+                or (so is not None and so.has_pending()))
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -118,6 +195,8 @@ class EngineCore:
         """Stops the worker processes of a parallel engine (nothing to do in-process)."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

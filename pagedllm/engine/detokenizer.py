@@ -17,11 +17,16 @@ Two stages, both O(1)-ish per token:
    three tokens): step 1 new_text ends "\\ufffd" → hold; step 2 likewise; step 3 decodes " 👍" → emit, slide.
 
 2. Stop strings over the decoded text. `_text` is all decoded output text; `output_text` is its released prefix.
-   After each update, a match is searched only in the new text plus the `len(stop) - 1` characters before it.
-   Without a match, the longest suffix of `_text` that is a proper prefix of some stop string is held back
-   (at most len(longest stop) - 1 chars); it is released when later text rules the match out or on finish.
-   With a match, `_text` is cut before the stop string (or right after it with include_stop_str_in_output).
-   Invariant: nothing released is ever part of a stop string that completes later.
+   Each stop string keeps a Knuth-Morris-Pratt automaton (its failure table, len(stop) ints, and the current
+   match length: the longest suffix of `_text` that is a prefix of the stop string), fed each new character once:
+   O(total stop length) memory per request and amortized O(number of stops) work per character. A match ends at
+   the first character where some automaton reaches its full length (the longest stop string wins a tie). Without
+   a match, the longest current match length is held back (a suffix that could still begin a stop string); it is
+   released when later text rules the match out or on finish. With a match, `_text` is cut before the stop string
+   (or right after it with include_stop_str_in_output). Invariant: nothing released is ever part of a stop string
+   that completes later.
+   A stop string that is exactly a special token's text (`special_stop`, e.g. "<|im_end|>") never appears in the
+   text when skip_special_tokens hides that token, so it is matched by the token id instead.
 
 `spaces_between_special_tokens` is accepted for API compatibility; fast (tokenizers-backed) tokenizers, the only
 kind transformers 5 has, ignore it in `decode` too, so output matches `tokenizer.decode`.
@@ -51,6 +56,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        special_stop: Optional[dict[int, str]] = None,
     ):
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -73,9 +79,12 @@ class IncrementalDetokenizer:
         self._text = ""  # all decoded output text (after a stop-string cut, the final text)
         self._num_released = 0  # output_text == _text[:_num_released]
         self._num_delta_sent = 0  # chars already handed out by get_next_output_text(delta=True)
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        # Proper prefixes of stop strings: the candidates for text to hold back.
-        self._stop_prefixes = frozenset(s[:i] for s in self.stop for i in range(1, len(s)))
+        # KMP automata, one per stop string: failure tables and current match lengths (see the module note).
+        self._stop_fail = [_failure_table(s) for s in self.stop]
+        self._stop_state = [0] * len(self.stop)
+        self._stop_chars = frozenset("".join(self.stop))
+        # Special-token stop strings, by token id (only hidden tokens need it; visible ones match as text).
+        self.special_stop = dict(special_stop or {}) if skip_special_tokens else {}
         self.stop_reason: Optional[str] = None  # the stop string that ended the request, once found
         self.finished = False
 
@@ -104,6 +113,10 @@ class IncrementalDetokenizer:
         if stop_terminated and token_ids and not self.include_stop_str_in_output:
             skipped_id = token_ids.pop()
             finished = True
+        if self.special_stop:
+            k = next((k for k, t in enumerate(token_ids) if t in self.special_stop), None)
+            if k is not None:
+                return self._special_stop_hit(token_ids, k)
         old_len = len(self._text)
         for token_id in token_ids:
             self.token_ids.append(token_id)
@@ -147,17 +160,37 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self._prefix_text = self._decode_fn(self.token_ids[self.prefix_offset : self.read_offset])
 
+    def _special_stop_hit(self, token_ids: list[int], k: int) -> Optional[str]:
+        """Token ``token_ids[k]`` is a special-token stop string: text up to it is decoded and searched first (a
+        text stop string completing there wins), then the request stops at it."""
+        old_len = len(self._text)
+        for token_id in token_ids[:k]:
+            self.token_ids.append(token_id)
+            self._decode_pending(flush=False)
+        self._decode_pending(flush=True)
+        if self.stop and len(self._text) > old_len:
+            match = self._find_stop(old_len)
+            if match is not None:
+                return self._cut(*match)
+        stop_str = self.special_stop[token_ids[k]]
+        self.token_ids.extend(token_ids[k:k + 1])
+        if self.include_stop_str_in_output:
+            self._text += stop_str
+        return self._cut(stop_str, len(self._text))
+
+    def _cut(self, stop_str: str, cut: int) -> str:
+        self._text = self._text[:cut]
+        self._num_released = cut
+        self.stop_reason = stop_str
+        self.finished = True
+        return stop_str
+
     def _after_decode(self, old_len: int, finished: bool) -> Optional[str]:
         """Stage 2: find a stop string in the text added since `old_len`, then decide what to release."""
         if self.stop and len(self._text) > old_len:
             match = self._find_stop(old_len)
             if match is not None:
-                stop_str, cut = match
-                self._text = self._text[:cut]
-                self._num_released = cut
-                self.stop_reason = stop_str
-                self.finished = True
-                return stop_str
+                return self._cut(*match)
         if finished:
             self._num_released = len(self._text)
             self.finished = True
@@ -168,29 +201,54 @@ class IncrementalDetokenizer:
         return None
 
     def _find_stop(self, old_len: int) -> Optional[tuple[str, int]]:
-        """The stop string completing earliest in the text, given that none completed before `old_len`.
-        Returns (stop string, length to cut `_text` to)."""
+        """Feeds ``_text[old_len:]`` to the stop-string automata; the stop string completing earliest (the longest
+        one on a tie), given that none completed before ``old_len``. Returns (stop string, length to cut ``_text``
+        to), or None (the automata then hold each stop string's current match length)."""
         text = self._text
-        best: Optional[tuple[int, int, str]] = None  # (end, start, stop)
-        for s in self.stop:
-            start = text.find(s, max(0, old_len - len(s) + 1))
-            if start != -1:
-                end = start + len(s)
-                if best is None or (end, start) < best[:2]:
-                    best = (end, start, s)
-        if best is None:
-            return None
-        end, start, s = best
-        return s, (end if self.include_stop_str_in_output else start)
+        stops, fails, state = self.stop, self._stop_fail, self._stop_state
+        chars = self._stop_chars
+        num_stops = len(stops)
+        for pos in range(old_len, len(text)):
+            ch = text[pos]
+            if ch not in chars:  # no stop string holds it: every automaton falls back to 0
+                if any(state):
+                    state[:] = [0] * num_stops
+                continue
+            best = -1
+            for j in range(num_stops):
+                s, m = stops[j], state[j]
+                while m and s[m] != ch:
+                    m = fails[j][m - 1]
+                if s[m] == ch:
+                    m += 1
+                if m == len(s):
+                    if best < 0 or len(s) > len(stops[best]):
+                        best = j
+                    m = fails[j][m - 1]
+                state[j] = m
+            if best >= 0:
+                s = stops[best]
+                end = pos + 1
+                return s, (end if self.include_stop_str_in_output else end - len(s))
+        return None
 
     def _held_back_len(self) -> int:
         """Length of the longest suffix of `_text` (not yet released) that could begin a stop string."""
-        text = self._text
-        max_k = min(self._max_stop_len - 1, len(text) - self._num_released)
-        for k in range(max_k, 0, -1):
-            if text[-k:] in self._stop_prefixes:
-                return k
-        return 0
+        return min(max(self._stop_state, default=0), len(self._text) - self._num_released)
+
+
+def _failure_table(s: str) -> list[int]:
+    """KMP failure function: ``f[i]`` = length of the longest proper prefix of ``s[:i + 1]`` that is also its
+    suffix (Knuth, Morris, Pratt 1977). O(len(s)) time and memory."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
 
 
 def _make_decode_fn(tokenizer, skip_special_tokens: bool):

@@ -1,42 +1,33 @@
-"""LLMEngine: input processing (validation, tokenization, ``n`` fan-out) + EngineCore + OutputProcessor.
+"""LLMEngine: ``InputProcessor`` (validation, tokenization) + ``n`` fan-out + EngineCore + OutputProcessor.
 
 Synchronous; ``LLM`` drives it offline and ``AsyncLLM`` drives it from a background thread for the server.
+
+Fault isolation: work that belongs to one request (its prefix hashes and detokenizer when it is added; its
+detokenizing, stop strings and logprobs each step) runs under a per-request guard. If it raises, only that request
+ends (its children are aborted, its final output has ``finish_reason="error"``, and ``take_request_errors``
+reports it); the batch runs on. A fault in the step itself (the model forward) propagates: the caller must treat
+the engine as dead.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.exceptions import InvalidRequestError, RequestFailedError
+from pagedllm.engine.input_processor import EngineCoreRequest, InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import ChildState, OutputProcessor, ParentState
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request, RequestStatus
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["EngineCoreRequest", "LLMEngine", "ProcessedPrompt", "PromptType"]
 
 logger = logging.getLogger(__name__)
-
-# A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]}.
-PromptType = Union[str, list[int], dict]
-
-
-@dataclass
-class ProcessedPrompt:
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    cache_salt: Optional[str] = None  # from a dict prompt's "cache_salt" (vLLM's TextPrompt/TokensPrompt field)
-
-
-def _check_cache_salt(salt) -> Optional[str]:
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")
-    return salt
-
 
 def _eos_from_config(hf_config) -> list[int]:
     eos = getattr(hf_config, "eos_token_id", None)
@@ -58,8 +49,12 @@ class LLMEngine:
         else:
             self.tokenizer = get_tokenizer(mc.tokenizer)
             self.eos_token_ids = set(get_eos_token_ids(self.tokenizer, mc.model))
-        self.engine_core = EngineCore(config, model=model)
+        from pagedllm.structured_output import make_structured_output_manager
+
+        so_manager = make_structured_output_manager(config, self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.engine_core = EngineCore(config, model=model, structured_output_manager=so_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(config, self.tokenizer)
         self._counter = itertools.count()
 
     @classmethod
@@ -68,64 +63,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ input processing
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenizes and validates one prompt.
-
-        Raises:
-            ValueError: naming ``prompt`` (empty, wrong type, too long) or ``prompt_token_ids`` (ids outside the
-                vocabulary).
-        """
-        text: Optional[str] = None
-        salt = None
-        if isinstance(prompt, dict):
-            salt = _check_cache_salt(prompt.get("cache_salt"))
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                text = prompt["prompt"]
-                ids = None
-            else:
-                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'.")
-        elif isinstance(prompt, str):
-            text, ids = prompt, None
-        elif isinstance(prompt, (list, tuple)):
-            ids = prompt
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
-        if text is not None:
-            if self.tokenizer is None:
-                raise ValueError("prompt must be token ids when skip_tokenizer_init=True.")
-            if not isinstance(text, str):
-                raise ValueError("prompt must be a string.")
-            if not text:
-                raise ValueError("prompt must not be empty.")
-            ids = self.tokenizer.encode(text, add_special_tokens=True)
-        ids = list(ids)
-        if not ids:
-            raise ValueError("prompt must not be empty (0 tokens).")
-        vocab = self.config.model.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids has a token id outside the vocabulary [0, {vocab}): {t!r}.")
-        max_len = self.config.model.max_model_len
-        if len(ids) > max_len:
-            raise ValueError(f"prompt is {len(ids)} tokens long, more than max_model_len={max_len} tokens.")
-        return ProcessedPrompt(text, ids, salt)
+        """Tokenizes and validates one prompt (``InputProcessor.process_prompt``). Raises ValueError naming the
+        field."""
+        return self.input_processor.process_prompt(prompt)
 
     def validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
-        """Raises ValueError naming the field (max_tokens, logprobs, token ids)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        mc = self.config.model
-        params.verify_for_model(mc.vocab_size, mc.max_logprobs)
-        max_len = mc.max_model_len
-        if num_prompt_tokens >= max_len:
-            raise ValueError(
-                f"prompt is {num_prompt_tokens} tokens long; with max_model_len={max_len} there is no room for "
-                f"any output token.")
-        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt_tokens} tokens is "
-                f"{num_prompt_tokens + params.max_tokens} tokens, more than max_model_len={max_len}.")
+        """``InputProcessor.process_params``: raises ValueError naming the field."""
+        self.input_processor.process_params(params, num_prompt_tokens)
 
     def add_request(
         self,
@@ -135,7 +79,8 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
     ) -> None:
-        """Validates, fans ``n > 1`` out into child requests ``"{i}_{request_id}"``, and queues them.
+        """Validates (``InputProcessor``), fans ``n > 1`` out into child requests ``"{i}_{request_id}"``, and
+        queues them.
 
         ``cache_salt`` (or a dict prompt's ``"cache_salt"``) isolates the request's prefix-cache entries: only
         requests with the same salt share KV blocks.
@@ -144,35 +89,58 @@ class LLMEngine:
             ValueError: for bad input (nothing is queued then).
         """
         if request_id in self.output_processor.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        pp = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
-        self.validate_params(params, len(pp.prompt_token_ids))
-        cache_salt = _check_cache_salt(cache_salt if cache_salt is not None else pp.cache_salt)
-        arrival_time = time.time() if arrival_time is None else arrival_time
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
+        self.add_core_request(self.input_processor.make_request(request_id, prompt, params, arrival_time,
+                                                                cache_salt))
+
+    def add_core_request(self, req: EngineCoreRequest) -> None:
+        """Queues a request the ``InputProcessor`` has checked. Everything that can fail (child ids, detokenizers,
+        prefix hashes) happens before any engine state changes, so on an exception nothing is queued.
+
+        Raises:
+            InvalidRequestError: a request (or child) id already in use.
+            Exception: from the request's own set-up (nothing queued; the engine is unharmed).
+        """
+        request_id = req.request_id
+        op = self.output_processor
+        if request_id in op.parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
+        params = req.sampling_params
         n = params.n
+        child_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        known = self.engine_core.scheduler.requests
+        if any(c in known or c in op.child_to_parent for c in child_ids):
+            raise InvalidRequestError(f"request_id {request_id!r} clashes with a request in flight.",
+                                      param="request_id")
+        special_stop = self.input_processor.special_stop_token_ids(params.stop) if params.stop else {}
         children: list[ChildState] = []
         core_reqs: list[Request] = []
-        for i in range(n):
+        max_len = self.config.model.max_model_len
+        for i, cid in enumerate(child_ids):
             cp = params if n == 1 else params.clone()
             if n > 1:
                 cp.n = 1
                 if params.seed is not None:
                     cp.seed = params.seed + i
-            cid = request_id if n == 1 else f"{i}_{request_id}"
             det = None
             if cp.detokenize and self.tokenizer is not None:
                 det = IncrementalDetokenizer(
-                    self.tokenizer, pp.prompt_token_ids, skip_special_tokens=cp.skip_special_tokens,
+                    self.tokenizer, req.prompt_token_ids, skip_special_tokens=cp.skip_special_tokens,
                     spaces_between_special_tokens=cp.spaces_between_special_tokens, stop=cp.stop,
-                    include_stop_str_in_output=cp.include_stop_str_in_output)
-            children.append(ChildState(request_id=cid, index=i, sampling_params=cp, detokenizer=det))
-            core_reqs.append(Request(cid, pp.prompt_token_ids, cp, self.eos_token_ids, arrival_time,
-                                     cache_salt=cache_salt, max_model_len=self.config.model.max_model_len))
-        self.output_processor.add_request(ParentState(
-            request_id=request_id, prompt=pp.prompt, prompt_token_ids=pp.prompt_token_ids,
-            output_kind=params.output_kind, arrival_time=arrival_time, children=children))
+                    include_stop_str_in_output=cp.include_stop_str_in_output, special_stop=special_stop)
+            children.append(ChildState(request_id=cid, index=i, sampling_params=cp, detokenizer=det,
+                                       fault=req.fault))
+            r = Request(cid, req.prompt_token_ids, cp, self.eos_token_ids, req.arrival_time,
+                        cache_salt=req.cache_salt, max_model_len=max_len)
+            self.engine_core.kv_cache_manager.update_block_hashes(r)  # the salt is hashed here, per request
+            core_reqs.append(r)
+        op.add_request(ParentState(
+            request_id=request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            output_kind=params.output_kind, arrival_time=req.arrival_time, children=children))
         for r in core_reqs:
             self.engine_core.add_request(r)
+        if req.fault == "forward":
+            self.engine_core.forward_fault_req_ids.update(child_ids)
 
     def abort_request(self, request_ids: Sequence[str] | str) -> list[RequestOutput]:
         if isinstance(request_ids, str):
@@ -189,10 +157,20 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
-        outs, to_stop = self.output_processor.process_outputs(core_outputs)
+        op = self.output_processor
+        outs, to_stop = op.process_outputs(core_outputs)
         if to_stop:
             self.engine_core.abort_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        if op.failed_child_ids:
+            failed, op.failed_child_ids = op.failed_child_ids, []
+            self.engine_core.abort_requests(failed)
         return outs
+
+    def take_request_errors(self) -> list[tuple[str, RequestFailedError]]:
+        """``(request_id, error)`` for each request that failed alone since the last call (see the module note);
+        its final output, with ``finish_reason="error"``, was among ``step``'s outputs."""
+        errors, self.output_processor.errors = self.output_processor.errors, []
+        return errors
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

@@ -1,5 +1,9 @@
 """Turns ``EngineCoreOutput`` deltas into ``RequestOutput``s: detokenizes, finds stop strings, builds logprobs,
-and folds the child requests of ``n > 1`` back into one parent output."""
+and folds the child requests of ``n > 1`` back into one parent output.
+
+Each request is processed under its own guard: an exception while processing one request's output ends that
+request alone (``finish_reason="error"``, listed in ``errors``; its children in ``failed_child_ids`` for the
+core to abort) and the others in the step are processed as usual."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Optional
 
 from pagedllm.core.output import EngineCoreOutput, LogprobsLists
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.exceptions import RequestFailedError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,6 +38,7 @@ class ChildState:
     num_cached_tokens: int = 0
     final_sent: bool = False
     new_token_times: list[float] = field(default_factory=list)  # arrival time of each token batch (for ITL)
+    fault: Optional[str] = None  # test hook (engine/fault_injection.py)
 
 
 @dataclass
@@ -58,6 +64,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, ChildState]] = {}
         self._decode_cache: dict[int, str] = {}
+        self.errors: list[tuple[str, RequestFailedError]] = []  # (parent id, error) of requests that failed alone
+        self.failed_child_ids: list[str] = []  # their children, for the core to abort
 
     def add_request(self, parent: ParentState) -> None:
         self.parents[parent.request_id] = parent
@@ -107,6 +115,7 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, ParentState] = {}
         to_abort: list[str] = []
+        failed: dict[str, ParentState] = {}
         for eo in outputs:
             pc = self.child_to_parent.get(eo.request_id)
             if pc is None:
@@ -114,45 +123,79 @@ class OutputProcessor:
             parent, c = pc
             if c.finish_reason is not None:
                 continue
-            if eo.new_prompt_logprobs is not None:
-                if parent.prompt_logprobs is None:
-                    parent.prompt_logprobs = [None]
-                parent.prompt_logprobs.extend(self._logprob_dicts(eo.new_prompt_logprobs))
-            c.num_cached_tokens = eo.num_cached_tokens
-            parent.num_cached_tokens = eo.num_cached_tokens
-            if eo.new_token_ids:
-                if c.first_token_time is None:
-                    c.first_token_time = now
-                c.last_token_time = now
-                c.new_token_times.append(now)
-                c.token_ids.extend(eo.new_token_ids)
-                if eo.new_logprobs is not None:
-                    dicts = self._logprob_dicts(eo.new_logprobs)
-                    if c.logprobs is None:
-                        c.logprobs = []
-                        c.cumulative_logprob = 0.0
-                    for tok, d in zip(eo.new_token_ids, dicts):
-                        c.logprobs.append(d)
-                        c.cumulative_logprob += d[tok].logprob
-            finish_reason = eo.finish_reason
-            if c.detokenizer is not None:
-                stop_str = c.detokenizer.update(eo.new_token_ids, finish_reason is not None,
-                                                stop_terminated=finish_reason == "stop")
-                if stop_str is not None and finish_reason is None:
-                    finish_reason = "stop"
-                    c.stop_reason = stop_str
-                    to_abort.append(c.request_id)
-            if finish_reason is not None:
-                c.finish_reason = finish_reason
-                if c.stop_reason is None:
-                    c.stop_reason = eo.stop_reason
+            try:
+                self._process_one(eo, parent, c, now, to_abort)
+            except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
+                self._fail_parent(parent, e)
+                failed[parent.request_id] = parent
+                touched.pop(parent.request_id, None)
+                continue
             touched[parent.request_id] = parent
         results = []
         for parent in touched.values():
-            ro = self._make_output(parent)
+            try:
+                ro = self._make_output(parent)
+            except Exception as e:  # noqa: BLE001
+                self._fail_parent(parent, e)
+                failed[parent.request_id] = parent
+                continue
             if ro is not None:
                 results.append(ro)
+        for parent in failed.values():
+            results.append(self._finish_parent(parent, force_output=True))
         return results, to_abort
+
+    def _fail_parent(self, parent: ParentState, exc: Exception) -> None:
+        """Ends every unfinished child of ``parent`` with ``finish_reason="error"`` and records the error."""
+        err = RequestFailedError(f"request {parent.request_id} failed in the engine: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        self.errors.append((parent.request_id, err))
+        for c in parent.children:
+            c.detokenizer = None  # it may be what raised; the final output carries no more text
+            if c.finish_reason is None:
+                c.finish_reason = "error"
+                self.failed_child_ids.append(c.request_id)
+
+    def _process_one(self, eo: EngineCoreOutput, parent: ParentState, c: ChildState, now: float,
+                     to_abort: list[str]) -> None:
+        if c.fault == "request":
+            from pagedllm.engine.fault_injection import InjectedFault
+
+            raise InjectedFault("injected fault in per-request output processing")
+        if eo.new_prompt_logprobs is not None and c.index == 0:
+            # With n > 1 every child computes the prompt's logprobs; the parent reports one set (one entry per
+            # prompt token), from child 0.
+            if parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None]
+            parent.prompt_logprobs.extend(self._logprob_dicts(eo.new_prompt_logprobs))
+        c.num_cached_tokens = eo.num_cached_tokens
+        parent.num_cached_tokens = eo.num_cached_tokens
+        if eo.new_token_ids:
+            if c.first_token_time is None:
+                c.first_token_time = now
+            c.last_token_time = now
+            c.new_token_times.append(now)
+            c.token_ids.extend(eo.new_token_ids)
+            if eo.new_logprobs is not None:
+                dicts = self._logprob_dicts(eo.new_logprobs)
+                if c.logprobs is None:
+                    c.logprobs = []
+                    c.cumulative_logprob = 0.0
+                for tok, d in zip(eo.new_token_ids, dicts):
+                    c.logprobs.append(d)
+                    c.cumulative_logprob += d[tok].logprob
+        finish_reason = eo.finish_reason
+        if c.detokenizer is not None:
+            stop_str = c.detokenizer.update(eo.new_token_ids, finish_reason is not None,
+                                            stop_terminated=finish_reason == "stop")
+            if stop_str is not None and finish_reason is None:
+                finish_reason = "stop"
+                c.stop_reason = stop_str
+                to_abort.append(c.request_id)
+        if finish_reason is not None:
+            c.finish_reason = finish_reason
+            if c.stop_reason is None:
+                c.stop_reason = eo.stop_reason
 
     def _completion(self, c: ChildState, delta: bool, finished_only: bool) -> CompletionOutput:
         fin = c.finish_reason is not None

@@ -67,10 +67,50 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "under torchrun).")
     g.add_argument("--nnodes", type=int, default=1, help="Machines in an external_launcher launch.")
     g.add_argument("--node-rank", type=int, default=0, help="This machine's rank in an external_launcher launch.")
+    g.add_argument("--structured-outputs-config", default=None,
+                   help="Structured outputs, as JSON (vLLM's keys), e.g. '{\"backend\": \"xgrammar\"}'. JSON "
+                        "grammars are compact by default here (\"disable_any_whitespace\": true; false for vLLM's "
+                        "any-whitespace form).")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="Split <think>...</think> into message.reasoning_content; structured outputs apply after it.")
     g.add_argument("--max-in-flight-batches", type=int, default=1,
                    help="Pipeline parallel: micro-batches in flight at once, so stages overlap (e.g. "
                         "--pipeline-parallel-size). 1: one step at a time, the CPU default (a decode step of half "
                         "the batch costs about as much as the whole one here).")
+    add_limit_args(p)
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The request bounds (``InputLimits``; the README's "Request bounds" table), with vLLM's names where vLLM has
+    the bound."""
+    from pagedllm.config import InputLimits as L
+
+    g = p.add_argument_group("request bounds (each failure is a 400 naming the field; see the README)")
+    g.add_argument("--max-n", type=int, default=L.max_n, help=f"Most choices (n) per request (default {L.max_n}).")
+    g.add_argument("--max-num-stop-strings", type=int, default=L.max_num_stop_strings,
+                   help=f"Most stop strings per request (default {L.max_num_stop_strings}).")
+    g.add_argument("--max-stop-string-len", type=int, default=L.max_stop_string_len,
+                   help=f"Longest stop string, characters (default {L.max_stop_string_len}).")
+    g.add_argument("--max-num-stop-token-ids", type=int, default=L.max_num_stop_token_ids,
+                   help=f"Most stop_token_ids per request (default {L.max_num_stop_token_ids}).")
+    g.add_argument("--max-num-logit-bias", type=int, default=L.max_num_logit_bias,
+                   help=f"Most logit_bias entries per request (default {L.max_num_logit_bias}).")
+    g.add_argument("--max-num-allowed-token-ids", type=int, default=L.max_num_allowed_token_ids,
+                   help=f"Most allowed_token_ids per request (default {L.max_num_allowed_token_ids}).")
+    g.add_argument("--max-cache-salt-len", type=int, default=L.max_cache_salt_len,
+                   help=f"Longest cache_salt, characters (default {L.max_cache_salt_len}).")
+    g.add_argument("--max-num-prompts", type=int, default=L.max_num_prompts,
+                   help=f"Most prompts in one completions request (default {L.max_num_prompts}, vLLM's cap).")
+    g.add_argument("--max-request-body-bytes", type=_int_bytes, default=L.max_request_body_bytes,
+                   help=f"Largest HTTP request body; 413 past it (default {L.max_request_body_bytes >> 20} MiB).")
+    g.add_argument("--max-chat-template-chars", type=int, default=L.max_chat_template_chars,
+                   help=f"Longest rendered chat prompt, characters (default {L.max_chat_template_chars}).")
+    g.add_argument("--max-num-queued-reqs", type=int, default=L.max_num_queued_reqs,
+                   help=f"Admission queue: most requests admitted but not yet producing output; 429 past it "
+                        f"(default {L.max_num_queued_reqs}; 0: unbounded).")
+    g.add_argument("--max-num-queued-tokens", type=int, default=L.max_num_queued_tokens,
+                   help=f"Admission queue: most prompt tokens waiting; 429 past it (default "
+                        f"{L.max_num_queued_tokens}; 0: unbounded).")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

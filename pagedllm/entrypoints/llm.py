@@ -106,8 +106,14 @@ class LLM:
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Optional[list[dict]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
         """Applies the chat template (the model's, or ``chat_template``) to each conversation, then generates.
+
+        ``tools`` (OpenAI's function-tool dicts) reach the template, as do assistant ``tool_calls`` and ``tool``
+        messages of earlier turns; parse the calls out of the text with a parser from
+        ``pagedllm.entrypoints.openai.tool_parsers`` (or constrain them with ``SamplingParams.structured_outputs``).
 
         Raises:
             ValueError: if the model has no chat template and none is given, or for bad parameters.
@@ -120,10 +126,13 @@ class LLM:
             convs = list(messages)
         template = chat_template or self.llm_engine.config.model.chat_template
         prompts = []
+        from pagedllm.entrypoints.openai.chat_tools import messages_for_template
+
         for conv in convs:
-            text = apply_chat_template(self.llm_engine.tokenizer, conv, chat_template=template,
+            text = apply_chat_template(self.llm_engine.tokenizer, messages_for_template(conv), chat_template=template,
                                        add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message)
+                                       continue_final_message=continue_final_message, tools=tools,
+                                       **(chat_template_kwargs or {}))
             ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids})
         outs = self.generate(prompts, sampling_params, use_tqdm)

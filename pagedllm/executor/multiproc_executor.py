@@ -254,7 +254,7 @@ class MultiprocExecutor:
                 raise self._died(f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}{last}")
 
     def _died(self, what: str):
-        from pagedllm.engine.async_llm import EngineDeadError
+        from pagedllm.engine.exceptions import EngineDeadError
 
         if self._dead is None:
             self._dead = EngineDeadError(f"tensor/pipeline-parallel {what}; the engine is down.")

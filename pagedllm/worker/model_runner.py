@@ -29,6 +29,7 @@ from pagedllm.layers.sampler import (
     compute_prompt_logprobs,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import apply_grammar_bitmask
 from pagedllm.utils.hugepages import zeros_in_hugepages
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,11 @@ class ModelRunner:
             last_idx = torch.tensor([int(qsl[i + 1]) - 1 for i in sample_rows], dtype=torch.int64,
                                     device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, last_idx))
+            gb = sched.grammar_bitmask
+            if gb is not None and hasattr(gb, "result"):  # filled beside the forward pass (engine/core.py)
+                gb = gb.result()
+            if gb is not None:  # structured outputs: disallowed tokens -> -inf
+                logits = apply_grammar_bitmask(logits, gb, [req_ids[i] for i in sample_rows])
             rows = [states[i].sampler_state for i in sample_rows]
             md = SamplingMetadata.build(rows, self.vocab_size, self.device)
             so = self.sampler(logits, md)  # None on a pipeline rank that doesn't sample (see worker.py)

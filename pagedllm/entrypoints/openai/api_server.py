@@ -5,9 +5,16 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``pagedllm.entrypoints.web``: ``GET /stats``, the playground (``/``, ``/ui``) and the dashboard (``/dashboard``).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for any invalid request (schema and JSON
-errors too, instead of FastAPI's 422), 401 on ``/v1/*`` without the ``--api-key``, 404 for an unknown model or
-route, 503 once the engine has died (``/health`` too). After a stream has started an error is sent as an SSE event
-followed by ``data: [DONE]``.
+errors too, instead of FastAPI's 422; bounds in the README's "Request bounds"), 401 without the ``--api-key`` (every
+route but ``/health``), 404 for an unknown model or route, 413 for a body over ``--max-request-body-bytes``, 429
+with ``Retry-After`` when the admission queue is full, 500 for a request whose own processing failed in the engine
+(the engine runs on), 503 once the engine has died or while the server drains for shutdown. After a stream has
+started an error is sent as an SSE event followed by ``data: [DONE]``.
+
+``/health`` is 503 when the engine is dead, or has work but has not finished a step for ``--health-step-timeout``
+seconds (a watchdog). If the engine dies, ``pagedllm serve`` ends every stream with an error event and exits 1, so a
+supervisor restarts it. On SIGTERM/SIGINT the server stops admitting (503), lets in-flight requests finish for up
+to ``--graceful-shutdown-timeout`` seconds, then ends the rest with an error event and ``[DONE]``, and exits 0.
 """
 
 from __future__ import annotations
@@ -16,8 +23,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
-import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Optional, Sequence, Union
@@ -30,6 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm import envs
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.exceptions import (
+    EngineDeadError,
+    EngineShuttingDownError,
+    QueueFullError,
+    RequestFailedError,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +53,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.guards import ApiKeyAuth, BodyGuard, load_api_keys
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServingError,
@@ -66,7 +78,7 @@ def _version() -> str:
 
 
 def _error_response(err: OpenAIServingError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
@@ -119,34 +131,73 @@ async def _until_disconnect(request: Request, work: Awaitable) -> Any:
     return task.result()
 
 
-def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None,
+def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[Union[str, Sequence[str]]] = None,
               served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
-              shutdown_engine: bool = True, enable_frontend: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, enable_frontend: bool = True, *,
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
+              allow_unauthenticated_metrics: bool = False, server_dev_mode: bool = False,
+              trust_request_chat_template: bool = False, enable_prompt_tokens_details: bool = False,
+              health_step_timeout: float = 60.0) -> FastAPI:
     """The FastAPI app over ``engine`` (an ``AsyncLLM``, or ``EngineArgs`` to build one now).
 
     Args:
-        api_key: if set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        api_key: a key or several; if set, every route but ``/health`` (and the web pages' static files) requires
+            ``Authorization: Bearer <key>``.
         served_model_names: names accepted in ``model`` (default: the config's served model name).
         chat_template: overrides the model's chat template.
         enable_frontend: serve the web playground and dashboard (``/stats`` is served either way).
         shutdown_engine: stop the engine thread when the app shuts down.
+        allow_unauthenticated_metrics: leave ``/metrics`` open (for a scraper) when keys are set.
+        server_dev_mode: add ``/reset_prefix_cache`` (vLLM keeps it behind ``VLLM_SERVER_DEV_MODE``).
+        trust_request_chat_template: accept a request's own ``chat_template`` (vLLM's flag).
+        enable_prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens`` (vLLM's flag): it
+            reveals whether someone else recently sent the same prefix.
+        health_step_timeout: ``/health`` answers 503 when the engine has work but no step finished for this long.
+        enable_auto_tool_choice, tool_call_parser: vLLM's flags (``tool_choice: auto`` parses the model's calls
+            with the named parser; ``required`` and a named tool work without them).
+
+    Raises:
+        ValueError: for an unknown tool-call parser, or auto tool choice without one.
     """
     if isinstance(engine, EngineArgs):
         engine = AsyncLLM.from_engine_args(engine)
     mc = engine.config.model
     names = list(served_model_names or [mc.served_model_name])
-    completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, chat_template=chat_template)
+    completion = OpenAIServingCompletion(engine, names, enable_prompt_tokens_details)
+    chat = OpenAIServingChat(engine, names, chat_template=chat_template,
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                             trust_request_chat_template=trust_request_chat_template,
+                             enable_prompt_tokens_details=enable_prompt_tokens_details)
+
+    async def watch_engine(app: FastAPI) -> None:
+        """If the engine dies (not shut down by us): let the streams send their error event, then ask the server
+        to exit non-zero (``app.state.on_engine_dead``, set by ``run_server``)."""
+        while not engine.is_dead:
+            await asyncio.sleep(0.2)
+        if app.state.shutting_down:
+            return
+        logger.error("the engine died: %s; stopping the server", engine.dead_error)
+        await asyncio.sleep(0.5)
+        callback = app.state.on_engine_dead
+        if callback is not None:
+            callback()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
+        watcher = asyncio.ensure_future(watch_engine(app))
         yield
+        app.state.shutting_down = True
+        watcher.cancel()
         if shutdown_engine:
             engine.shutdown()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.state.engine = engine
     app.state.started = int(time.time())
+    app.state.shutting_down = False
+    app.state.on_engine_dead = None
+    app.state.loop = None
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(OpenAIServingError)
@@ -173,23 +224,29 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
         logger.exception("unhandled error")
         return _error_response(engine_error(exc))
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
+    # Middlewares: the last added runs first (auth, then the body guard, then the routes).
+    app.add_middleware(BodyGuard, max_body_bytes=engine.input_processor.limits.max_request_body_bytes)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if keys:
+        open_paths = ["/health"] + (["/metrics"] if allow_unauthenticated_metrics else [])
+        if enable_frontend:  # the web pages and their assets hold no data; they ask for the key themselves
+            from pagedllm.entrypoints.web import PUBLIC_PATHS
 
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
-                got = request.headers.get("authorization", "").encode()
-                if not secrets.compare_digest(got, expected):
-                    return JSONResponse(error_body("Incorrect API key provided.", "authentication_error", None,
-                                                   "invalid_api_key"), status_code=401)
-            return await call_next(request)
+            open_paths += sorted(PUBLIC_PATHS)
+        app.add_middleware(ApiKeyAuth, api_keys=keys, open_paths=open_paths)
 
     # ------------------------------------------------------------------ plain endpoints
     @app.get("/health")
     async def health():
         if engine.is_dead:
             return _error_response(engine_error(engine.dead_error))
+        stalled = engine.seconds_since_progress()
+        if stalled > health_step_timeout:
+            return _error_response(OpenAIServingError(
+                f"the engine has had work for {stalled:.0f} s without finishing a step (--health-step-timeout="
+                f"{health_step_timeout:g}).", 503, code="engine_stalled"))
+        if engine.is_draining:
+            return _error_response(engine_error(EngineShuttingDownError("the server is shutting down.")))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -217,28 +274,40 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
             return Response("", media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        chat.check_engine()
-        ok = await engine.reset_prefix_cache()
-        return {"success": bool(ok)}
+    if server_dev_mode:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            chat.check_engine()
+            ok = await engine.reset_prefix_cache()
+            return {"success": bool(ok)}
+
+    def _tokenize(req: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> list[int]:
+        tok = engine.tokenizer
+        if isinstance(req, TokenizeChatRequest):
+            chat.check_template_args(req.chat_template, req.chat_template_kwargs, req.add_generation_prompt,
+                                     req.continue_final_message)
+            return chat.tokenize_messages(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                          req.chat_template, req.chat_template_kwargs, req.tools,
+                                          req.add_special_tokens)
+        if len(req.prompt) > 64 * mc.max_model_len:
+            raise OpenAIServingError(f"prompt is {len(req.prompt)} characters long, far more than max_model_len="
+                                     f"{mc.max_model_len} tokens.", 400, param="prompt",
+                                     code="context_length_exceeded")
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     @app.post("/tokenize")
     async def tokenize(req: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> TokenizeResponse:
         chat.check_model(req.model)
-        tok = engine.tokenizer
-        if isinstance(req, TokenizeChatRequest):
-            add_gen = req.add_generation_prompt and not req.continue_final_message
-            ids = chat.tokenize_messages(req.messages, add_gen, req.continue_final_message, req.chat_template,
-                                         req.chat_template_kwargs, req.tools, req.add_special_tokens)
-        else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        ids = await asyncio.to_thread(_tokenize, req)  # templates and the tokenizer run off the event loop
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=mc.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         chat.check_model(req.model)
+        if len(req.tokens) > mc.max_model_len:
+            raise OpenAIServingError(f"tokens holds {len(req.tokens)} ids, more than max_model_len="
+                                     f"{mc.max_model_len}.", 400, param="tokens", code="invalid_value")
         bad = [t for t in req.tokens if not 0 <= t < mc.vocab_size]
         if bad:
             raise OpenAIServingError(f"tokens has token ids outside the vocabulary [0, {mc.vocab_size}): "
@@ -251,7 +320,14 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[str] = None
             result = await make
             return StreamingResponse(result, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = await _until_disconnect(request, make)
+        try:
+            result = await _until_disconnect(request, make)
+        except (OpenAIServingError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - answered here: the catch-all handler would drop the connection
+            if not isinstance(e, (EngineDeadError, EngineShuttingDownError, QueueFullError, RequestFailedError)):
+                logger.exception("unhandled error")
+            raise engine_error(e) from None
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(result.model_dump(mode="json"))
@@ -284,28 +360,48 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1",
                    help="Address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces).")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000).")
-    g.add_argument("--api-key", default=envs.get("PAGEDLLM_API_KEY"),
-                   help="If set, /v1/* requests must send 'Authorization: Bearer <key>' (else 401). "
-                        "Default: $PAGEDLLM_API_KEY.")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="If set, every route but /health needs 'Authorization: Bearer <key>' (else 401). Repeat for "
+                        "several keys. Default: $PAGEDLLM_API_KEY.")
+    g.add_argument("--api-key-file", default=None,
+                   help="A file of accepted API keys, one per line ('#' lines ignored), added to --api-key.")
+    g.add_argument("--allow-unauthenticated-metrics", action="store_true",
+                   help="Leave /metrics open without the API key (for a Prometheus scraper).")
+    g.add_argument("--server-dev-mode", action="store_true",
+                   help="Add development endpoints (/reset_prefix_cache), as VLLM_SERVER_DEV_MODE does.")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Accept a request's own chat_template (a template is code; refused by default).")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="Report usage.prompt_tokens_details.cached_tokens (it shows whether someone else recently "
+                        "sent the same prefix).")
+    g.add_argument("--health-step-timeout", type=float, default=60.0,
+                   help="/health answers 503 when the engine has work but finished no step for this many seconds "
+                        "(default 60).")
+    g.add_argument("--fault-injection", action="store_true", help=argparse.SUPPRESS)  # tests only
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default info).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Don't log every HTTP request.")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
-                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are cut "
-                        "(default 5).")
+                   help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (new ones get 503) before "
+                        "each remaining stream ends with an error event (default 5).")
     g.add_argument("--engine-mode", default="thread", choices=["thread", "process"],
                    help="Where the engine loop runs: a thread beside the event loop (default), or a child process "
                         "(outputs cross a pipe; the HTTP side then never competes with the step for the GIL).")
     g.add_argument("--disable-frontend", action="store_true",
                    help="Don't serve the web playground (/, /ui) and dashboard (/dashboard); /stats stays.")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Let the model decide to call tools (tool_choice auto); needs --tool-call-parser.")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="How to read the model's tool calls: hermes (Qwen2.5/Qwen3), llama3_json, mistral, pythonic.")
     add_engine_args(p)
     p.set_defaults(func=run_server)
     return p
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    """Loads the model, then serves until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
+    """Loads the model, then serves until SIGINT/SIGTERM; returns 0 after a clean shutdown, 1 if the engine died
+    (so a supervisor restarts the server), 2 if it could not start."""
     import uvicorn
 
     from pagedllm.entrypoints.cli import engine_args_from_namespace
@@ -314,6 +410,27 @@ def run_server(ns: argparse.Namespace) -> int:
     args = engine_args_from_namespace(ns)
     if ns.model is not None:
         args.model = ns.model
+    if ns.tool_call_parser is not None or ns.enable_auto_tool_choice:
+        from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+        try:
+            if ns.tool_call_parser is None:
+                raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+            ToolParserManager.get_tool_parser(ns.tool_call_parser)
+        except ValueError as e:
+            logger.error("cannot start: %s", e)
+            return 2
+    try:
+        env_key = envs.get("PAGEDLLM_API_KEY")
+        keys = load_api_keys(ns.api_key if ns.api_key is not None else ([env_key] if env_key else []),
+                             ns.api_key_file)
+    except (OSError, ValueError) as e:
+        logger.error("cannot start: %s", e)
+        return 2
+    if getattr(ns, "fault_injection", False):
+        from pagedllm.engine import fault_injection
+
+        fault_injection.enable()
     t0 = time.perf_counter()
     try:
         engine = AsyncLLM.from_engine_args(args, engine_mode=ns.engine_mode)
@@ -323,25 +440,55 @@ def run_server(ns: argparse.Namespace) -> int:
     cfg = engine.config
     num_blocks = engine.num_kv_blocks
     dtype = str(cfg.model.dtype).replace("torch.", "")
-    app = build_app(engine, api_key=ns.api_key, enable_frontend=not ns.disable_frontend)
+    app = build_app(engine, api_key=keys, enable_frontend=not ns.disable_frontend,
+                    enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                    allow_unauthenticated_metrics=ns.allow_unauthenticated_metrics,
+                    server_dev_mode=ns.server_dev_mode, trust_request_chat_template=ns.trust_request_chat_template,
+                    enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+                    health_step_timeout=ns.health_step_timeout)
     # The model, tokenizer and app live as long as the process: take them out of the cyclic GC's generations so
     # collections during serving don't rescan them between engine steps (as vLLM's server does after start-up).
     gc.collect()
     gc.freeze()
+    exit_code = 0
+    grace = ns.graceful_shutdown_timeout
 
     class _Server(uvicorn.Server):
-        """uvicorn re-raises a caught SIGINT/SIGTERM after its graceful shutdown (so the process dies by the
-        signal); we shut down and exit 0 instead."""
+        """On SIGINT/SIGTERM: stop admitting (503), let in-flight requests finish for up to ``grace`` s, end the
+        rest with an error event, then let uvicorn close (a second signal exits at once). uvicorn re-raises a
+        caught signal after its shutdown (so the process dies by the signal); we exit 0 instead."""
+
+        draining = False
 
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
-                logger.info("signal %d: shutting down", sig)
-            super().handle_exit(sig, frame)
+            loop = app.state.loop
+            if self.draining or loop is None or self.should_exit:
+                super().handle_exit(sig, frame)
+            else:
+                logger.info("signal %d: draining (up to %g s), then shutting down", sig, grace)
+                self.draining = True
+                engine.start_draining()
+                loop.call_soon_threadsafe(self._start_drain)
             self._captured_signals.clear()
 
+        def _start_drain(self) -> None:
+            self._drain_task = asyncio.ensure_future(self._drain_then_exit())  # held: the loop keeps weak refs
+
+        async def _drain_then_exit(self) -> None:
+            cut = await engine.drain(grace)
+            if cut:
+                logger.warning("%d requests were cut at shutdown", cut)
+                await asyncio.sleep(0.2)  # their streams send the error event and [DONE]
+            self.should_exit = True
+
+    def on_engine_dead() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    app.state.on_engine_dead = on_engine_dead
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                            access_log=not ns.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=ns.graceful_shutdown_timeout)
+                            access_log=not ns.disable_uvicorn_access_log, timeout_graceful_shutdown=2)
     server = _Server(config)
     logger.info("pagedllm serving model %s (%s) dtype=%s KV blocks=%d x %d tokens max_model_len=%d "
                 "engine=%s at http://%s:%d (loaded in %.1f s)", cfg.model.served_model_name, cfg.model.model,
@@ -349,5 +496,8 @@ def run_server(ns: argparse.Namespace) -> int:
                 ns.port, time.perf_counter() - t0)
     server.run()
     engine.shutdown()
-    logger.info("pagedllm server stopped")
-    return 0
+    if exit_code:
+        logger.error("pagedllm server stopped: the engine died (exit %d)", exit_code)
+    else:
+        logger.info("pagedllm server stopped")
+    return exit_code

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -97,6 +97,17 @@ class _SamplingFields(OpenAIBaseModel):
     prompt_logprobs: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
     cache_salt: Optional[str] = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's extension)
+    # Structured outputs (see structured_fields.py): vLLM's object and its legacy fields; response_format below.
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    # Unknown fields are kept (model_extra) so that structured_fields.check_unknown_fields can refuse or log them.
+    model_config = ConfigDict(extra="allow")
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError naming the field."""
@@ -114,7 +125,14 @@ class _SamplingFields(OpenAIBaseModel):
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}.") from None
                 if not -100.0 <= v <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r}.")
+        from pagedllm.entrypoints.openai.structured_fields import (
+            check_unknown_fields,
+            structured_outputs_from_request,
+        )
+
+        check_unknown_fields(self.model_extra)
         return SamplingParams(
+            structured_outputs=structured_outputs_from_request(self),
             n=self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -142,6 +160,11 @@ class _SamplingFields(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Cumulative usage in every stream chunk (vLLM's ``stream_options.continuous_usage_stats``)."""
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 # ---------------------------------------------------------------------------------------------------- completions
@@ -212,24 +235,28 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Set by the chat handler: what this request does with tools, and whether its prompt opened a <think>.
+    _tool_plan: Any = PrivateAttr(default=None)
+    _prompt_opens_think: bool = PrivateAttr(default=False)
 
     def to_sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
         """Raises ValueError naming the field."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt can't both be true (set "
+                             "add_generation_prompt to false to continue the final assistant message).")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs needs logprobs set to true.")
             if self.top_logprobs < 0:
                 raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}.")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported.")
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens  # deprecated name
@@ -256,6 +283,7 @@ class ChatLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # with --reasoning-parser
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 

@@ -11,10 +11,11 @@ choice; with ``stream_options.include_usage`` a last chunk has ``"choices": []``
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator, Optional, Union
 
-from pagedllm.engine.llm_engine import ProcessedPrompt
+from pagedllm.engine.input_processor import ProcessedPrompt
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -32,7 +33,6 @@ from pagedllm.entrypoints.openai.serving_engine import (
     prompt_logprobs_json,
     sse,
     sse_error,
-    usage_dict,
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -46,13 +46,20 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ValueError("prompt must not be empty.")
         if isinstance(prompt[0], int):
             return [prompt]
+        cap = self.limits.max_num_prompts
+        if len(prompt) > cap:
+            raise ValueError(f"prompt may hold at most {cap} prompts (--max-num-prompts), got {len(prompt)}.")
         return list(prompt)
 
     def prepare(self, req: CompletionRequest) -> tuple[list[ProcessedPrompt], list[SamplingParams]]:
         """Tokenizes and validates every prompt. Raises OpenAIServingError (400)."""
         try:
             processed, params = [], []
-            for p in self._prompts(req.prompt):
+            prompts = self._prompts(req.prompt)
+            if req.n * len(prompts) > self.limits.max_n:
+                raise ValueError(f"n times the number of prompts must be at most {self.limits.max_n}, got "
+                                 f"{req.n} x {len(prompts)}.")
+            for p in prompts:
                 pp = self.engine.process_prompt(p)
                 sp = req.to_sampling_params(self.max_model_len, len(pp.prompt_token_ids))
                 self.engine.validate_params(sp, len(pp.prompt_token_ids))
@@ -70,11 +77,12 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         model = self.check_model(req.model)
         self.check_engine()
-        processed, params = self.prepare(req)
+        # Tokenizing (up to --max-num-prompts prompts) runs off the event loop.
+        processed, params = await asyncio.to_thread(self.prepare, req)
         request_id = random_id("cmpl")
         created = int(time.time())
-        gens = [self.engine.generate(pp, sp, f"{request_id}-{i}", cache_salt=req.cache_salt)
-                for i, (pp, sp) in enumerate(zip(processed, params))]
+        gens = self.start_requests([(pp, sp, f"{request_id}-{i}", req.cache_salt)
+                                    for i, (pp, sp) in enumerate(zip(processed, params))])
         if req.stream:
             return self._stream(req, model, request_id, created, processed, gens)
         finals: list[Optional[RequestOutput]] = [None] * len(gens)
@@ -109,14 +117,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         lps = self._prompt_lps(ro) + list(lps or [])
                 logprobs = None
                 if req.logprobs is not None and lps is not None:
-                    logprobs = CompletionLogProbs(**completion_logprobs(token_ids, lps, req.logprobs, self.tokenizer))
+                    logprobs = CompletionLogProbs(**completion_logprobs(
+                        token_ids, lps, req.logprobs, self.tokenizer, as_token_ids=req.return_tokens_as_token_ids))
                 choices.append(CompletionResponseChoice(
                     index=pi * req.n + c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     prompt_logprobs=prompt_logprobs_json(ro.prompt_logprobs) if req.prompt_logprobs is not None
                     else None))
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=UsageInfo(**usage_dict(num_prompt, num_completion, num_cached)))
+                                  usage=UsageInfo(**self.usage(num_prompt, num_completion, num_cached)))
 
     async def _stream(self, req: CompletionRequest, model: str, request_id: str, created: int,
                       processed: list[ProcessedPrompt], gens: list) -> AsyncIterator[str]:
@@ -144,16 +153,19 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = None
                     if req.logprobs is not None and lps:
                         logprobs = completion_logprobs(token_ids, lps, req.logprobs, self.tokenizer,
-                                                       text_offsets[idx])
+                                                       text_offsets[idx], req.return_tokens_as_token_ids)
                         text_offsets[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                     if not text and c.finish_reason is None and logprobs is None:
                         continue  # e.g. a token that completes no character yet
-                    yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"index": idx, "text": text, "logprobs": logprobs,
-                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    event = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"index": idx, "text": text, "logprobs": logprobs,
+                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if req.continuous_usage:  # cumulative usage in every chunk (vLLM's continuous_usage_stats)
+                        event["usage"] = self.usage(sum(num_prompt), num_completion, sum(num_cached))
+                    yield sse(event)
             if req.include_usage:
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": usage_dict(sum(num_prompt), num_completion, sum(num_cached))})
+                           "choices": [], "usage": self.usage(sum(num_prompt), num_completion, sum(num_cached))})
         except Exception as e:  # noqa: BLE001 - the status line is gone; report in-band
             yield sse_error(e)
         yield SSE_DONE

@@ -1,0 +1,151 @@
+"""The xgrammar backend (xgrammar 0.2.x: ``GrammarCompiler``, ``GrammarMatcher``, token bitmasks)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from pagedllm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def json_object_schema() -> str:
+    """``json_object``: any JSON object, compiled as the schema ``{"type": "object"}`` (not xgrammar's builtin JSON
+    grammar, which always allows free whitespace)."""
+    return '{"type": "object"}'
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of ``choices`` (each escaped)."""
+    import re
+
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def _grammar_of(kind: str, spec: str, any_whitespace: bool):
+    """The tokenizer-free ``xgrammar.Grammar`` of a constraint (what validation parses)."""
+    xgr = _xgr()
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace, strict_mode=True)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema(json_object_schema(), any_whitespace=any_whitespace)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec)
+    if kind == "choice":
+        return xgr.Grammar.from_regex(choice_regex(json.loads(spec)))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec)
+    if kind == "structural_tag":
+        return xgr.Grammar.from_structural_tag(spec)
+    raise ValueError(f"structured_outputs kind {kind!r} is unknown.")
+
+
+def validate_xgrammar_spec(kind: str, spec: str, any_whitespace: bool) -> None:
+    try:
+        _grammar_of(kind, spec, any_whitespace)
+    except ValueError as e:
+        if str(e).startswith("structured_outputs"):
+            raise
+        raise ValueError(f"structured_outputs.{kind} can't be compiled by xgrammar: {e}") from None
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types for bad input
+        raise ValueError(f"structured_outputs.{kind} can't be compiled by xgrammar: {e}") from None
+
+
+class XgrammarGrammar(StructuredOutputGrammar):
+    __slots__ = ("matcher", "num_accepted")
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        m = self.matcher
+        for t in token_ids:
+            if m.is_terminated():
+                return False
+            if not m.accept_token(int(t)):
+                return False
+            self.num_accepted += 1
+        return True
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens
+
+    def reset(self) -> None:
+        self.matcher.reset()
+        self.num_accepted = 0
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """Over an ``xgrammar.TokenizerInfo``; ``vocab_size`` is the model's logits width (it may exceed the tokenizer's
+    vocabulary: padding ids are never allowed)."""
+
+    def __init__(self, tokenizer_info, vocab_size: int, max_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer_info = tokenizer_info
+        # Our manager caches compiled grammars (LRU by (kind, spec, whitespace)); xgrammar's own cache is off.
+        self.compiler = _xgr().GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
+
+    @classmethod
+    def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
+                         max_threads: int = 2) -> "XgrammarBackend":
+        """``stop_token_ids``: the engine's EOS ids, allowed only where the grammar may end."""
+        stops = sorted(int(t) for t in stop_token_ids) or None
+        info = _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        return cls(info, vocab_size, max_threads)
+
+    def compile(self, kind: str, spec: str, any_whitespace: bool) -> Any:
+        try:
+            c = self.compiler
+            if kind == "json":
+                return c.compile_json_schema(spec, any_whitespace=any_whitespace, strict_mode=True)
+            if kind == "json_object":
+                return c.compile_json_schema(json_object_schema(), any_whitespace=any_whitespace)
+            if kind == "regex":
+                return c.compile_regex(spec)
+            if kind == "choice":
+                return c.compile_regex(choice_regex(json.loads(spec)))
+            if kind == "grammar":
+                return c.compile_grammar(spec)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(spec)
+        except Exception as e:  # noqa: BLE001 - xgrammar's own error types
+            raise ValueError(f"structured_outputs.{kind} can't be compiled by xgrammar: {e}") from None
+        raise ValueError(f"structured_outputs kind {kind!r} is unknown.")
+
+    def new_grammar(self, compiled: Any) -> XgrammarGrammar:
+        return XgrammarGrammar(_xgr().GrammarMatcher(compiled))
+
+    def allocate_bitmask(self, num_rows: int) -> Any:
+        return _xgr().allocate_token_bitmask(num_rows, self.vocab_size)
+
+
+def apply_bitmask(logits, bitmask, rows: list[int]):
+    """Sets ``logits[rows[j], t] = -inf`` where bit ``t`` of ``bitmask[j]`` is 0.
+
+    logits ``[N, V]`` (any float dtype), bitmask int32 ``[len(rows), ceil(V / 32)]``. Returns the masked logits:
+    ``logits`` itself when float32 and contiguous (masked in place with xgrammar's CPU kernel), else a float32 copy
+    (the sampler works in float32 anyway).
+    """
+    import torch
+
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        logits = logits.float().contiguous()
+    if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+        full[rows] = bitmask
+        bitmask = full
+    _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+    return logits

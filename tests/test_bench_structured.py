@@ -1,0 +1,58 @@
+"""bench serve's json-schema workload: which requests are constrained, the request bodies, the valid-output rate."""
+
+from __future__ import annotations
+
+import json
+
+from pagedllm.benchmarks.datasets import BenchRequest, load_json_schemas
+from pagedllm.benchmarks.serve import RequestResult, _request_body, compute_metrics, mark_structured
+
+
+def _reqs(n: int) -> list[BenchRequest]:
+    items = load_json_schemas()
+    return [BenchRequest(prompt=items[i % len(items)]["prompt"], prompt_token_ids=[1, 2], output_len=64,
+                         messages=[{"role": "user", "content": items[i % len(items)]["prompt"]}],
+                         extra={"schema": items[i % len(items)]["schema"]}) for i in range(n)]
+
+
+def test_shipped_schemas_are_valid_schemas():
+    import jsonschema
+
+    items = load_json_schemas()
+    assert len(items) >= 8
+    for it in items:
+        jsonschema.Draft202012Validator.check_schema(it["schema"])
+        assert it["prompt"]
+
+
+def test_ratio_and_bodies():
+    reqs = _reqs(10)
+    assert mark_structured(reqs, 0.3, seed=1) == 3
+    constrained = [r for r in reqs if "constrain" in r.extra]
+    assert len(constrained) == 3
+    path, body = _request_body(constrained[0], "openai-chat", "m", ignore_eos=True, temperature=0.0,
+                               use_token_ids=False)
+    assert path == "/v1/chat/completions" and "ignore_eos" not in body
+    assert body["response_format"]["json_schema"]["schema"] == constrained[0].extra["schema"]
+    assert body["response_format"]["json_schema"]["strict"] is True
+    path, body = _request_body(constrained[0], "openai", "m", ignore_eos=True, temperature=0.0, use_token_ids=False)
+    assert path == "/v1/completions" and body["structured_outputs"] == {"json": constrained[0].extra["schema"]}
+    plain = next(r for r in reqs if "constrain" not in r.extra)
+    _, body = _request_body(plain, "openai-chat", "m", ignore_eos=True, temperature=0.0, use_token_ids=False)
+    assert "response_format" not in body and body["ignore_eos"] is True
+    assert mark_structured(reqs, 1.0, seed=1) == 10 and mark_structured(reqs, 0.0, seed=1) == 0
+
+
+def test_valid_output_rate():
+    schema = load_json_schemas()[0]["schema"]
+    good = RequestResult(success=True, output_tokens=5, ttft=0.1, latency=0.5, schema=schema,
+                         generated_text=json.dumps({"answer": 42, "reason": "six times seven"}))
+    wrong_type = RequestResult(success=True, output_tokens=5, ttft=0.1, latency=0.5, schema=schema,
+                               generated_text=json.dumps({"answer": "42", "reason": "x"}))
+    cut = RequestResult(success=True, output_tokens=5, ttft=0.1, latency=0.5, schema=schema,
+                        generated_text='{"answer": 42, "rea', finish_reason="length")
+    plain = RequestResult(success=True, output_tokens=5, ttft=0.1, latency=0.5, generated_text="hello")
+    m = compute_metrics([good, wrong_type, cut, plain], 1.0, max_concurrency=None, request_rate=float("inf"))
+    assert m["structured_requests"] == 3 and m["valid_outputs"] == 1
+    assert abs(m["valid_output_rate"] - 1 / 3) < 1e-9
+    assert m["structured_cut_by_length"] == 1

@@ -1,0 +1,123 @@
+"""StructuredOutputManager on its own (no model): compile cache, failed compiles, which rows get a bitmask, the
+reasoning gate (no mask while thinking; qwen3's optional <think> opener), matcher advance."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm.config import StructuredOutputsConfig
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.manager import ReasoningEnd, StructuredOutputManager
+from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+
+VOCAB = ["<eos>", "<think>", "</think>", "yes", "no", "hmm", "y", "es"]
+EOS, THINK, END, YES, NO, HMM = 0, 1, 2, 3, 4, 5
+
+
+def _backend():
+    import xgrammar as xgr
+
+    return XgrammarBackend(xgr.TokenizerInfo(VOCAB, xgr.VocabType.RAW, vocab_size=len(VOCAB), stop_token_ids=[EOS]),
+                           len(VOCAB))
+
+
+class FakeTokenizer:
+    def get_vocab(self):
+        return {t: i for i, t in enumerate(VOCAB)}
+
+    def decode(self, ids):
+        return "".join(VOCAB[i] for i in ids)
+
+
+def _req(rid: str, so: StructuredOutputsParams, prompt=(7,)):
+    return SimpleNamespace(request_id=rid, sampling_params=SamplingParams(structured_outputs=so),
+                           prompt_token_ids=list(prompt), output_token_ids=[], num_computed_tokens=len(prompt),
+                           num_tokens=len(prompt))
+
+
+def _mgr(reasoning=None):
+    rend = ReasoningEnd(FakeTokenizer(), reasoning) if reasoning else None
+    return StructuredOutputManager(StructuredOutputsConfig(), _backend, rend)
+
+
+def _allowed(bitmask, row):
+    w = bitmask[row].tolist()
+    return {t for t in range(len(VOCAB)) if (w[t // 32] >> (t % 32)) & 1}
+
+
+def _ready(m, *reqs):
+    for r in reqs:
+        m.add_request(r)
+    while m.has_pending():
+        m.wait_pending(5)
+        ready, failed = m.take_ready()
+        assert not failed
+    return {r.request_id: r for r in reqs}
+
+
+def _sched(reqs):
+    return SimpleNamespace(num_scheduled_tokens={rid: 1 for rid in reqs})
+
+
+CHOICE = StructuredOutputsParams(choice=["yes", "no"])
+
+
+def test_cache_and_rows():
+    m = _mgr()
+    reqs = _ready(m, _req("a", CHOICE), _req("b", StructuredOutputsParams(choice=["yes", "no"])))
+    assert m.num_compiles == 1  # same (kind, spec, whitespace): one compile
+    prefill = _req("c", CHOICE, prompt=(7, 7, 7))
+    prefill.num_computed_tokens = 0  # a prompt chunk of 1 of 3 tokens: doesn't sample this step
+    _ready(m, prefill)
+    reqs["c"] = prefill
+    reqs["plain"] = SimpleNamespace(num_computed_tokens=1, num_tokens=1)
+    bitmask, rows = m.grammar_bitmask(_sched(reqs), reqs)
+    assert set(rows) == {"a", "b"} and bitmask.shape[0] == 2
+    assert _allowed(bitmask, rows["a"]) == {YES, NO, 6}  # "y" starts "yes"
+    assert m.accept_tokens("a", [YES])
+    bitmask, rows = m.grammar_bitmask(_sched(["a"]), reqs)
+    assert _allowed(bitmask, rows["a"]) == {EOS}  # done: only EOS
+    assert not m.accept_tokens("b", [HMM])  # rejected: b is no longer constrained (logged)
+    m.remove_requests(["a", "b", "c"])
+    assert not m.has_constrained()
+
+
+def test_failed_compile_is_reported():
+    m = _mgr()
+    m.add_request(_req("bad", StructuredOutputsParams(grammar="root ::= (")))
+    m.wait_pending(5)
+    ready, failed = m.take_ready()
+    assert not ready and failed[0][0].request_id == "bad" and "xgrammar" in failed[0][1]
+
+
+def test_no_mask_while_thinking_then_grammar():
+    m = _mgr("deepseek_r1")
+    reqs = _ready(m, _req("r", CHOICE))
+    assert m.grammar_bitmask(_sched(reqs), reqs) is None  # R1 starts thinking: unconstrained
+    assert m.accept_tokens("r", [HMM, HMM, NO])  # inside the reasoning: not fed to the grammar
+    assert m.accept_tokens("r", [END])
+    bitmask, rows = m.grammar_bitmask(_sched(reqs), reqs)
+    assert _allowed(bitmask, rows["r"]) == {YES, NO, 6}  # the grammar starts after </think>
+    assert m.accept_tokens("r", [NO]) and not m.accept_tokens("r", [NO])
+
+
+def test_qwen3_may_open_think_with_its_first_token():
+    m = _mgr("qwen3")
+    reqs = _ready(m, _req("q", CHOICE), _req("p", CHOICE, prompt=(7, THINK)), _req("d", CHOICE, prompt=(THINK, END)))
+    bitmask, rows = m.grammar_bitmask(_sched(reqs), reqs)
+    assert "p" not in rows  # the prompt left a <think> open
+    assert _allowed(bitmask, rows["q"]) == {YES, NO, 6, THINK}
+    assert _allowed(bitmask, rows["d"]) == {YES, NO, 6}  # the prompt closed it
+    assert m.accept_tokens("q", [THINK])
+    assert m.grammar_bitmask(_sched(["q"]), reqs) is None  # thinking now: no mask
+    assert m.accept_tokens("q", [HMM, END, YES, EOS]) and m.is_terminated("q")
+
+
+def test_duplicate_request_id():
+    m = _mgr()
+    m.add_request(_req("x", CHOICE))
+    with pytest.raises(ValueError, match="already in use"):
+        m.add_request(_req("x", CHOICE))
+    m.shutdown()
