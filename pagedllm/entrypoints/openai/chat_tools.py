@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ToolParserManager,
 )
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import JsonToolParser, make_tool_call_id
-from pagedllm.entrypoints.openai.tool_parsers.json_scan import scan_value, skip_ws
+from pagedllm.entrypoints.openai.tool_parsers.json_scan import array_object_starts, skip_ws
 from pagedllm.sampling_params import StructuredOutputsParams
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -44,17 +44,7 @@ class _RequiredCallsParser(JsonToolParser):
         i = skip_ws(text, 0)
         starts = []
         if i < len(text) and text[i] == "[":
-            j = skip_ws(text, i + 1)
-            while j < len(text) and text[j] == "{":
-                starts.append(j)
-                end = scan_value(text, j)
-                if end is None:
-                    break
-                j = skip_ws(text, end)
-                if j < len(text) and text[j] == ",":
-                    j = skip_ws(text, j + 1)
-                else:
-                    break
+            starts = array_object_starts(text, i)
         return 0, starts
 
 

@@ -151,3 +151,21 @@ def stable_args_end(text: str, start: int) -> int:
     while end > start and text[end - 1] in _WS:
         end -= 1
     return end
+
+
+def array_object_starts(text: str, i: int) -> list[int]:
+    """Offsets of the objects of a JSON array of objects whose ``[`` is at ``text[i]``: each complete object's
+    start, then the start of a last one still open (streaming); stops at the first element that isn't an object."""
+    starts = []
+    j = skip_ws(text, i + 1)
+    while j < len(text) and text[j] == "{":
+        starts.append(j)
+        end = scan_value(text, j)
+        if end is None:
+            break
+        j = skip_ws(text, end)
+        if j < len(text) and text[j] == ",":
+            j = skip_ws(text, j + 1)
+        else:
+            break
+    return starts

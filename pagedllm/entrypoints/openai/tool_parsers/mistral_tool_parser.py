@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ToolParserManager,
     partial_marker_len,
 )
-from pagedllm.entrypoints.openai.tool_parsers.json_scan import scan_value, skip_ws
+from pagedllm.entrypoints.openai.tool_parsers.json_scan import array_object_starts, skip_ws
 
 BOT = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -39,17 +39,7 @@ class MistralToolParser(JsonToolParser):
         i = skip_ws(text, first + len(BOT))
         starts = []
         if i < len(text) and text[i] == "[":
-            j = skip_ws(text, i + 1)
-            while j < len(text) and text[j] == "{":
-                starts.append(j)
-                end = scan_value(text, j)
-                if end is None:
-                    break
-                j = skip_ws(text, end)
-                if j < len(text) and text[j] == ",":
-                    j = skip_ws(text, j + 1)
-                else:
-                    break
+            starts = array_object_starts(text, i)
         elif i < len(text) and text[i] == "{":
             starts.append(i)
         return first, starts
