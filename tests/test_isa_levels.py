@@ -119,6 +119,17 @@ def test_every_library_builds_and_binds_at_each_supported_level(level):
             assert fn.optional or getattr(lib, fname).argtypes == list(fn.argtypes), fname
 
 
+def test_loading_every_library_keeps_subnormals_in_this_process():
+    """No library may turn on FTZ/DAZ for the process (GCC links crtfastmath.o, which does, into anything linked with
+    -ffast-math): subnormal float32 arithmetic in torch must still give subnormals after every library is loaded."""
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert tiny.item() != 0.0
+    for level in supported_levels():
+        for name in bindings.LIBRARIES:
+            kernels.load(name, level)
+    assert (tiny * 1.0).item() != 0.0 and (tiny + tiny).item() == pytest.approx(2e-40, rel=1e-3)
+
+
 def _disassembly(name: str, level: str) -> str:
     lib = bindings.LIBRARIES[name]
     so = build.build(lib, level)

@@ -37,7 +37,12 @@ _LINEAR = Fn((P, I64, I64, P, I64, P, P, I32))  # amx_linear_bf16's ABI: x, M, K
 _INT4_GEMV = Fn((P, I64, I64, P, P, I64, I64, I64, P), optional=True)
 _INT8 = Fn((P, I64, I64, P, P, I64, P, I32))
 # Same math flags as the fused element-wise kernels, so the AMX linear's SiLU epilogue rounds as silu_mul does.
-_FAST_MATH = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
+# -ffast-math's parts, spelled out, minus -ffinite-math-only (NaN/inf stay meaningful): the flag itself (or
+# -funsafe-math-optimizations) on the link line makes GCC link crtfastmath.o, whose constructor sets FTZ/DAZ in MXCSR
+# for the whole process as the library loads, so torch, numpy and hypothesis would then flush subnormals to zero.
+_FAST_MATH = ("-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math",
+              "-freciprocal-math", "-fno-rounding-math", "-fno-signaling-nans", "-fcx-limited-range",
+              "-fexcess-precision=fast", "-fopenmp")
 
 LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
     Library("cpu", ("paged_decode.c", "cpu_ops.c"), ("amx", "avx512_bf16", "avx2"), {
