@@ -155,7 +155,12 @@ def _wait_dead(proc, timeout: float = 30.0) -> None:
     """The executor SIGTERMs (then SIGKILLs) the surviving ranks when one dies. Twice, late in a full-suite run on
     2 busy cores, a survivor was still alive 10 s on and then showed exit code -SIGTERM (torn down by that signal,
     just slowly), so the bound is 30 s: it still catches a survivor left hanging in a collective."""
-    proc.join(timeout)
+    # Polled, not one join + is_alive: the executor's own thread reaps the process with join too, and a waitpid that
+    # loses that race (ECHILD) makes multiprocessing's poll() answer "running" until the other thread records the
+    # exit code (seen once: is_alive() True while the repr already said exitcode=-SIGTERM).
+    deadline = time.monotonic() + timeout
+    while proc.is_alive() and time.monotonic() < deadline:
+        proc.join(0.2)
     assert not proc.is_alive()
 
 

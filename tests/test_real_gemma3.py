@@ -124,7 +124,8 @@ def test_engine_greedy_equals_hf_chunked_and_preempted(gemma):
 def test_base_model_has_no_chat_template_so_chat_is_a_clear_400(gemma):
     with pytest.raises(ValueError, match="no chat template"):
         gemma.llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
-    engine = SimpleNamespace(tokenizer=gemma.llm.get_tokenizer(), config=gemma.llm.llm_engine.config)
+    engine = SimpleNamespace(tokenizer=gemma.llm.get_tokenizer(), config=gemma.llm.llm_engine.config,
+                             input_processor=gemma.llm.llm_engine.input_processor)
     serving = OpenAIServingChat(engine, ["gemma"])
     with pytest.raises(OpenAIServingError, match="no chat template") as e:
         serving.render([ChatMessage(role="user", content="hi")])

@@ -227,7 +227,9 @@ class ModelRunner:
                               for g in range(1, self.num_groups)]
             meta = [metas[g] for g in self.layout.layer_group]
 
-        with step_rows(query_lens):  # which rows are decode / prefill (int4 linears' kernel per row kind)
+        spec = sched.scheduled_spec_decode_tokens
+        decode = [q == 1 or bool(spec and spec.get(rid)) for q, rid in zip(query_lens, req_ids)] if spec else None
+        with step_rows(query_lens, decode):  # which rows are decode / prefill (int4 linears' kernel per row kind)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # Rows that sample: their last scheduled token is the last known token.

@@ -185,17 +185,20 @@ _step = threading.local()
 
 
 @contextmanager
-def step_rows(query_lens: list[int]) -> Iterator[None]:
+def step_rows(query_lens: list[int], decode: Optional[list[bool]] = None) -> Iterator[None]:
     """The model runner marks the step's rows around the model's forward (``query_lens``: new tokens per request,
-    in row order), so int4 linears can give each row its kernel by its kind, not by how many rows share the call."""
+    in row order), so int4 linears can give each row its kernel by its kind, not by how many rows share the call.
+    ``decode``: which requests decode (default: those with one new token); a speculating request's 1 + k verify
+    rows are decode rows, so they take the kernel its plain decode steps take (greedy output stays identical)."""
     n = sum(query_lens)
-    n_dec = sum(1 for q in query_lens if q == 1)
+    dec = decode if decode is not None else [q == 1 for q in query_lens]
+    n_dec = sum(1 for d in dec if d)
     if n_dec == len(query_lens):
         rows = StepRows(n, ALL, None)
     elif n_dec == 0:
         rows = StepRows(n, None, ALL)
     else:
-        is_dec = np.repeat(np.array([q == 1 for q in query_lens]), query_lens)
+        is_dec = np.repeat(np.array(dec, dtype=bool), query_lens)
         rows = StepRows(n, torch.from_numpy(np.flatnonzero(is_dec)), torch.from_numpy(np.flatnonzero(~is_dec)))
     prev = getattr(_step, "rows", None)
     _step.rows = rows
