@@ -352,18 +352,25 @@ def test_stream_disconnect_aborts_and_frees_kv(server, model):
     assert idle["pagedllm:num_requests_running"] == 0
     idle_kv = idle["pagedllm:kv_cache_usage_perc"]
     aborts = idle.get("pagedllm:request_success_total{finished_reason=abort}", 0.0)
+    t0 = time.monotonic()
     with httpx.Client(base_url=server.url, timeout=300) as c:
         with c.stream("POST", "/v1/completions", json={"model": model, "prompt": "Tell me a long story.",
                                                        "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
-            events = []
+            # Read until /metrics shows the request running (the engine thread sets the gauges before it hands a
+            # step's outputs over, so the 4th event should do; a slow reader gets merged chunks), then hang up
+            # mid-stream (the whole request runs for ~20 s here).
+            events, busy = [], {}
             for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line)
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                assert '"choices"' in line and line != "data: [DONE]", events[-3:]
                 if len(events) >= 4:
-                    break
-            assert all('"choices"' in e for e in events), events
-            busy = _metrics(server)
-            assert busy["pagedllm:num_requests_running"] == 1 and busy["pagedllm:kv_cache_usage_perc"] > idle_kv, busy
+                    busy = _metrics(server)
+                    if busy["pagedllm:num_requests_running"] == 1 or len(events) >= 200:
+                        break
+            assert busy["pagedllm:num_requests_running"] == 1 and busy["pagedllm:kv_cache_usage_perc"] > idle_kv, \
+                (len(events), round(time.monotonic() - t0, 2), busy)
     m = _wait_idle(server, idle_kv)
     assert m["pagedllm:num_requests_running"] == 0
     assert m["pagedllm:kv_cache_usage_perc"] == idle_kv

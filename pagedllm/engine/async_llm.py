@@ -703,13 +703,13 @@ class AsyncLLM:
         """A message from the engine loop; runs on the engine thread (or the process backend's reader thread)."""
         if isinstance(msg, StepOutputs):
             self._last_progress = time.monotonic()
+            if self.metrics is not None:  # first: a client never sees a token its /metrics don't count yet
+                self.metrics.record_outputs(msg.outputs, msg.time)
+                self.metrics.record_scheduler_stats(msg.stats)
             for rid, err in msg.errors:  # before the outputs, so the failed request's final output finds no one
                 self._post(self._fail, rid, err)
             if msg.outputs:
                 self._post(self._deliver, msg.outputs)
-            if self.metrics is not None:
-                self.metrics.record_outputs(msg.outputs, msg.time)
-                self.metrics.record_scheduler_stats(msg.stats)
         elif isinstance(msg, AddError):
             self._post(self._fail, msg.request_id, msg.error)
         elif isinstance(msg, CallResult):
