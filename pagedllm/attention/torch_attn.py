@@ -13,8 +13,9 @@ of the AMX kernel (``cpu_kernels.prefill_attention``) where it runs, else one to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -129,6 +130,7 @@ def build_attention_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     sliding_window: Optional[int] = None,
+    verify: Optional[Sequence[bool]] = None,
 ) -> AttentionMetadata:
     """Builds the metadata (and the masks every layer reuses) for one step.
 
@@ -139,6 +141,12 @@ def build_attention_metadata(
         slot_mapping: ``[num_tokens]`` int64.
         sliding_window: if set, masks for windowed layers are built too (key ``j`` visible from query ``i`` iff
             ``0 <= i - j < sliding_window``, as HF Mistral/Gemma define it).
+        verify: per request, whether its query rows are verify rows (a speculating request's last sampled token
+            and its drafts). Each verify row is attended as a decode query of its own: row ``j`` of a request with
+            ``q`` rows and context ``s`` is a decode entry with ``s - q + 1 + j`` keys, so its attention runs the
+            decode kernel exactly as the plain decode step at that position would (bit for bit: greedy output is
+            the same with and without speculation), never the multi-query prefill path with its other reduction
+            order. Example: ``query_lens [3]``, ``seq_lens [10]``, verify -> decode entries with 8, 9, 10 keys.
     """
     num_reqs = len(query_lens)
     qsl = [0]
@@ -146,26 +154,39 @@ def build_attention_metadata(
         qsl.append(qsl[-1] + q)
     num_tokens = qsl[-1]
     block_tables = block_tables.to(torch.int64)
-    decode_idx = [i for i, q in enumerate(query_lens) if q == 1]
+    is_dec = [q == 1 or bool(verify and verify[i]) for i, q in enumerate(query_lens)]
+    decode_idx = [i for i, d in enumerate(is_dec) if d]
     decode = None
     if decode_idx:
         n_dec = len(decode_idx)
         all_rows = n_dec == num_reqs
-        if all_rows:
-            rows = torch.arange(num_reqs, dtype=torch.int64)
-            bt = block_tables
-            sl = torch.tensor(seq_lens, dtype=torch.int64)
-        else:
-            rows = torch.tensor([qsl[i] for i in decode_idx], dtype=torch.int64)
-            bt = block_tables[decode_idx]
-            sl = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64)
         max_blocks = (max(seq_lens[i] for i in decode_idx) + block_size - 1) // block_size
+        if n_dec == sum(query_lens[i] for i in decode_idx):  # one row each: plain decodes
+            if all_rows:
+                rows = torch.arange(num_reqs, dtype=torch.int64)
+                bt = block_tables
+                sl = torch.tensor(seq_lens, dtype=torch.int64)
+            else:
+                rows = torch.tensor([qsl[i] for i in decode_idx], dtype=torch.int64)
+                bt = block_tables[decode_idx]
+                sl = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64)
+        else:  # verify rows: one decode entry per row (see ``verify``)
+            counts = np.asarray([query_lens[i] for i in decode_idx], dtype=np.int64)
+            first = np.asarray([qsl[i] for i in decode_idx], dtype=np.int64)
+            ends = np.asarray([seq_lens[i] for i in decode_idx], dtype=np.int64)
+            offs = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+            rows_np = np.repeat(first, counts) + offs
+            sl_np = np.repeat(ends - counts + 1, counts) + offs
+            all_rows = all_rows and rows_np.shape[0] == num_tokens  # rows 0..num_tokens-1 in order
+            rows = torch.from_numpy(rows_np)
+            sl = torch.from_numpy(sl_np)
+            bt = block_tables[torch.from_numpy(np.repeat(np.asarray(decode_idx, dtype=np.int64), counts))]
         bt = bt[:, :max_blocks].contiguous()
         decode = DecodeBatch(token_rows=rows, block_tables=bt, seq_lens=sl, block_size=block_size,
                              sliding_window=sliding_window, all_rows=all_rows)
     prefills = []
     for i, q in enumerate(query_lens):
-        if q == 1:
+        if is_dec[i]:
             continue
         s = seq_lens[i]
         cached = s - q

@@ -221,14 +221,18 @@ class ModelRunner:
         positions = torch.from_numpy(pos_np).to(self.device)
         slot_mapping = torch.from_numpy(slot_np).to(self.device)
         block_tables = torch.from_numpy(bt_np).to(self.device)
-        meta = build_attention_metadata(query_lens, seq_lens, block_tables, slot_mapping, bs, self.sliding_window)
+        # Speculating requests: their 1 + k verify rows are decode rows (attention and int4 kernels), so each row
+        # is computed exactly as the plain decode step at its position would compute it.
+        spec = sched.scheduled_spec_decode_tokens
+        verify = [bool(spec.get(rid)) for rid in req_ids] if spec else None
+        meta = build_attention_metadata(query_lens, seq_lens, block_tables, slot_mapping, bs, self.sliding_window,
+                                        verify)
         if self.num_groups > 1:  # each group's layers read and write through the group's own block tables
-            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np)
+            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np, verify)
                               for g in range(1, self.num_groups)]
             meta = [metas[g] for g in self.layout.layer_group]
 
-        spec = sched.scheduled_spec_decode_tokens
-        decode = [q == 1 or bool(spec and spec.get(rid)) for q, rid in zip(query_lens, req_ids)] if spec else None
+        decode = [q == 1 or v for q, v in zip(query_lens, verify)] if verify else None
         with step_rows(query_lens, decode):  # which rows are decode / prefill (int4 linears' kernel per row kind)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
@@ -298,7 +302,7 @@ class ModelRunner:
             spec_token_ids=spec_token_ids,
         )
 
-    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np):
+    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, verify=None):
         """Attention metadata of KV cache group ``group`` >= 1 (its block tables and slots; same tokens)."""
         bs = self.block_size
         tables = [st.group_block_ids[group - 1] for st in states]
@@ -308,7 +312,7 @@ class ModelRunner:
         slot_np = bt_np[req_idx_np, pos_np // bs] * bs + pos_np % bs
         return build_attention_metadata(query_lens, seq_lens, torch.from_numpy(bt_np).to(self.device),
                                         torch.from_numpy(slot_np).to(self.device), bs,
-                                        self.layout.group_windows[group] or self.sliding_window)
+                                        self.layout.group_windows[group] or self.sliding_window, verify)
 
     def _prompt_logprobs(self, states, starts, query_lens, qsl, hidden) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens 1..P-1 (position p predicts token p+1), for requests that asked for them."""
