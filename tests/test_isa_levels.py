@@ -222,6 +222,7 @@ LEVEL_SUITE = [
     "tests/test_quantization.py::test_int8_embedding_logits_equal_dequantized",
     "tests/test_quantization.py::test_int4_pack_layouts_round_trip_and_aten_writes_its_own",
     "tests/test_quantization.py::test_int4_pack_of_aten_layout_computes_like_ours",
+    "tests/test_quantization.py::test_smollm2_int4_chat_answers_paris",
     *(f"tests/test_models.py::test_batched_decode_and_prefill_match_hf[{name}]"
       for name in ("llama-tied-bias", "mistral-sliding", "qwen3-qk-norm", "gemma3", "deepseek-v2")),
 ]

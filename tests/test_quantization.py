@@ -648,3 +648,17 @@ def test_int4_pack_of_aten_layout_computes_like_ours(monkeypatch):
         got = K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], 32, 100, torch.float32, layout).double()
         torch.testing.assert_close(got, x.double() @ wl.double().t(), atol=1e-2, rtol=1e-3)  # 15-bit x: ours
     assert all(torch.equal(a, weights[0]) for a in weights)
+
+
+@pytest.mark.slow
+def test_smollm2_int4_chat_answers_paris():
+    """The bundled 4-bit SmolLM2 at the process's ISA level (tests/test_isa_levels.py runs this at every level the
+    CPU supports, with ATen's capability capped too) knows the capital of France: a wrong int4 layout or kernel at a
+    level shows here as gibberish."""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = LLM(quantization="gguf", dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in out, out
