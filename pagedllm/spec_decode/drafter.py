@@ -11,6 +11,8 @@ from pagedllm.spec_decode.ngram import NgramProposer
 class NgramDrafter:
     """Prompt lookup over each request's prompt + output (``pagedllm.spec_decode.ngram``)."""
 
+    mirrors = False  # no model of its own to run over the target's rows
+
     def __init__(self, config) -> None:
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
@@ -29,14 +31,19 @@ class NgramDrafter:
                 else [] for st, toks in zip(states, sampled)]
 
 
-def make_drafter(config) -> Optional[NgramDrafter]:
-    """The drafter for a ``SpeculativeConfig`` (None: no speculation).
+def make_drafter(config, runner=None):
+    """The drafter for a ``SpeculativeConfig`` (None: no speculation); ``runner``: the ``ModelRunner`` (its model and
+    KV layout), for a method with a model of its own (``self_int4``).
 
     Raises:
-        ValueError: for a method without a drafter.
+        ValueError: for a method without a drafter, or one the model can't run (``self_int4`` on a non-bf16 model).
     """
     if config is None:
         return None
     if config.method == "ngram":
         return NgramDrafter(config)
+    if config.method == "self_int4" and runner is not None:
+        from pagedllm.spec_decode.self_int4 import SelfInt4Drafter
+
+        return SelfInt4Drafter(config, runner)
     raise ValueError(f"speculative_config.method {config.method!r} has no drafter.")

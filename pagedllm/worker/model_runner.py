@@ -114,6 +114,11 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = torch.device(device)
+        spec_cfg = getattr(config, "speculative", None)
+        if spec_cfg is not None and spec_cfg.method == "self_int4":
+            from pagedllm.spec_decode.self_int4 import int4_draft_model
+
+            int4_draft_model(model)  # from the bf16 weights before packing (kept on the model)
         if packing_supported(config.model.dtype, self.device):
             pack_linear_weights(model)  # oneDNN layout once, instead of a reorder inside every matmul
         self.block_size = config.cache.block_size
@@ -128,7 +133,7 @@ class ModelRunner:
         self.num_groups = self.layout.num_groups
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        self.drafter = make_drafter(config.speculative) if getattr(config, "speculative", None) else None
+        self.drafter = make_drafter(spec_cfg, self) if spec_cfg is not None else None
 
     # ------------------------------------------------------------------ state updates
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -235,6 +240,8 @@ class ModelRunner:
         decode = [q == 1 or v for q, v in zip(query_lens, verify)] if verify else None
         with step_rows(query_lens, decode):  # which rows are decode / prefill (int4 linears' kernel per row kind)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if self.drafter is not None and self.drafter.mirrors:  # a draft model computes the same tokens
+                self.drafter.mirror(input_ids, positions, meta)
 
         # Rows that sample: their last scheduled token is the last known token.
         sample_rows = [i for i, st in enumerate(states) if seq_lens[i] >= len(st.token_ids)]
