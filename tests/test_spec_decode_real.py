@@ -131,7 +131,8 @@ def test_smollm2_bf16_greedy_identical_with_ngram_at_each_level(quantization, le
     one asked twice for a prefix-cache hit, and a chat prompt), prefill chunked by a 48-token budget; and on one
     prompt alone, every verify row's logits equal bit for bit those the plain decode step computed at its position
     (rows whose context equals the plain run's). Level ``none`` (torch / oneDNN paths, not promised batch
-    invariant) may differ: an expected failure there, as in tests/test_isa_levels.py."""
+    invariant: measured, its logits differ by ~1e-5) is held to identical output only, and a difference there is an
+    expected failure, as in tests/test_isa_levels.py."""
     if level not in supported_levels():
         pytest.skip(f"this CPU runs below {level}")
     llm = LLM(None, dtype="bfloat16", quantization=quantization, cpu_isa=level, max_model_len=1024,
@@ -172,8 +173,10 @@ def test_smollm2_bf16_greedy_identical_with_ngram_at_each_level(quantization, le
     st = spec.llm_engine.engine_core.scheduler.spec_stats
     assert st.num_accepted_tokens > 0.3 * st.num_draft_tokens > 20, st
     identical = got == ref and got0 == ref0
-    if level == "none" and not (identical and bitwise):
-        pytest.xfail(f"level none: {differ}/{compared} verify rows differ, identical={identical}")
-    assert bitwise, f"{differ} of {compared} verify rows' logits differ from the decode step's"
+    if level == "none":  # torch's float32 LM head (MKL) sums by the number of rows: logits off by ~1e-5
+        if not identical:
+            pytest.xfail(f"level none: {differ}/{compared} verify rows' logits differ and so does the output")
+    else:
+        assert bitwise, f"{differ} of {compared} verify rows' logits differ from the decode step's"
     assert got0 == ref0
     assert got == ref, [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
