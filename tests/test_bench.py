@@ -446,3 +446,25 @@ def test_compare_render_only(tmp_path, capsys):
     text = md.read_text()
     assert "pagedllm bench compare --peers vllm" in text
     assert "pagedllm bench throughput --backend vllm" in text
+
+
+def test_offline_floor_and_floor_table():
+    """The offline floor is the prompts' FLOPs at the GEMM peak plus one weight read per output position of the
+    longest request (or the output FLOPs, if longer); the table gives ours as a share of each floor's speed."""
+    from pagedllm.benchmarks.floor import num_matmul_params, offline_floor_s
+
+    shapes = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "layers": 2, "vocab": 100}
+    params = num_matmul_params(shapes)
+    assert params == 2 * ((4 + 4) * 16 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128) + 100 * 64
+    limits = {"gemm_peak_gflops": 100.0, "mem_read_gb_per_s": 10.0, "torch_threads": 2}
+    wl = {"total_input_tokens": 1000, "total_output_tokens": 500, "output_len_max": 50}
+    got = offline_floor_s(wl, shapes, limits, weight_bytes=1e6)
+    assert got == pytest.approx(2 * params * 1000 / 1e11 + max(50 * 1e6 / 1e10, 2 * params * 500 / 1e11))
+    runs = [C.Run("offline", "pagedllm", "x", True, dict(_offline(1.0, 1.0), elapsed_time=2 * got, workload=wl)),
+            C.Run("single", "pagedllm", "x", True, {"levels": [_level(1.0, 1.0, 1.0, 4.0)]}),
+            C.Run("floor", "matmul", "x", True, {"floor": [{"batch_size": 1, "weight_bytes": 1e6, "roofline_ms": 1.0,
+                                                            "step_ms_median": 2.0}], "shapes": shapes,
+                                                 "limits": limits})]
+    table = C.floor_table(runs)
+    assert "| offline mixed: elapsed (bf16) |" in table and "| 50% |" in table
+    assert "| single stream bf16: decode tok/s | 250.0 tok/s | 1,000.0 tok/s | 25% |" in table

@@ -527,6 +527,41 @@ def engine_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def floor_table(runs: list[Run]) -> str:
+    """Ours as a fraction of the machine's floor (``bench floor``'s measured GEMM peak and memory bandwidth): the
+    floor's time over ours, so 100% would be at the physical limit."""
+    from pagedllm.benchmarks.floor import offline_floor_s
+
+    fl = _get(runs, "floor", "matmul")
+    if not fl or "limits" not in fl:
+        return "(no `bench floor` run with machine limits)"
+    rows = {r["batch_size"]: r for r in fl["floor"]}
+    lim, shapes = fl["limits"], fl["shapes"]
+    lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): bf16 GEMM peak {lim['gemm_peak_gflops']:.0f} "
+             f"GFLOP/s, memory read {lim['mem_read_gb_per_s']:.1f} GB/s.", "",
+             "| figure | ours | floor | ours as % of the floor's speed |", "|---|---|---|---|"]
+
+    def line(what: str, ours: Optional[float], floor: Optional[float], unit: str, higher_better: bool) -> None:
+        if ours is None or floor is None:
+            return
+        frac = ours / floor if higher_better else floor / ours
+        lines.append(f"| {what} | {_fmt(ours)} {unit} | {_fmt(floor)} {unit} | {100 * frac:.0f}% |")
+
+    off = _get(runs, "offline", "pagedllm")
+    if off and off.get("workload") and 1 in rows:
+        line("offline mixed: elapsed (bf16)", off["elapsed_time"],
+             offline_floor_s(off["workload"], shapes, lim, rows[1]["weight_bytes"]), "s", False)
+    single = _level(_get(runs, "single", "pagedllm"))
+    if single and 1 in rows and "roofline_ms" in rows[1]:
+        line("single stream bf16: decode tok/s", 1000.0 / single["mean_tpot_ms"], 1000.0 / rows[1]["roofline_ms"],
+             "tok/s", True)
+    for bs in (1, 32):
+        lat = _get(runs, "latency", f"pagedllm-bs{bs}")
+        if lat and bs in rows and "roofline_ms" in rows[bs]:
+            line(f"decode step, batch {bs} (bf16)", lat["mean_itl_ms"], rows[bs]["roofline_ms"], "ms", False)
+    return "\n".join(lines)
+
+
 ENGINE_TABLE_NOTE = (
     "The floor times the step's weight matmuls alone. A decode step also reads every running request's K and V "
     "(bf16, all layers): \"floor + KV\" is the floor's own weight bandwidth applied to the weights plus that KV "
@@ -637,6 +672,10 @@ def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions
         engine_table(runs),
         "",
         ENGINE_TABLE_NOTE,
+        "",
+        "### Against the machine's floor",
+        "",
+        floor_table(runs),
         "",
         "### Details",
         "",
