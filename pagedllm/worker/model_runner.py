@@ -240,7 +240,7 @@ class ModelRunner:
         decode = [q == 1 or v for q, v in zip(query_lens, verify)] if verify else None
         with step_rows(query_lens, decode):  # which rows are decode / prefill (int4 linears' kernel per row kind)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if self.drafter is not None and self.drafter.mirrors:  # a draft model computes the same tokens
+            if getattr(self.drafter, "mirrors", False):  # a draft model computes the same tokens
                 self.drafter.mirror(input_ids, positions, meta)
 
         # Rows that sample: their last scheduled token is the last known token.
