@@ -1,22 +1,24 @@
-"""GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights executed as stored (``kernels/csrc/kquant_cpu.c``).
+"""GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights executed with the file's own values (``kernels/csrc/kquant_cpu.c``).
 
-A ``KQuantWeight`` is the file's own bytes (``data [N, row_bytes]`` uint8, ggml blocks, usually a view of the
-memory-mapped GGUF): no requantization and no repack, so resident weight memory is the file's tensor bytes and
-loading copies nothing. (A repack was not needed for exactness or SIMD: ggml's layouts already put 32 consecutive
-codes of a group in one 32-byte load, the kernel decodes them in registers with a few instructions per 32 weights,
-and Q4_K's 6-bit scales cost ~1 instruction per group to unpack.) The activations are quantized per 32 inputs to 15
-bits (``quantize_activations``); the u8 x s8 products are summed exactly in int32 and the block scales applied in
-float32.
+A ``KQuantWeight`` holds either the file's bytes (``data [N, row_bytes]`` uint8, ggml blocks, a view of the
+memory-mapped GGUF) or, after ``tiled()`` (done once at load, in C, ~1 s for a 0.5B model), our tiled form: 16 output
+rows interleaved per tile so that one 32-bit SIMD lane holds 4 consecutive codes of one row (the layout of
+``vpdpbusd`` / ``vpmaddubsw`` against a broadcast word of activations). Every code, scale and min is the file's own
+(no requantization; ``dequantize`` gives gguf's values back); Q8_0 / Q5_0 / Q6_K tiles are the file's size, Q4_K /
+Q5_K's 6-bit scales are unpacked to bytes (+2.8 % / +2.3 %). The file's view is dropped once tiled, so resident
+weight memory is the tiled bytes. A decode GEMV streams each tile once, sequentially, 16 rows per instruction, with
+the block scales applied per group to one float32 accumulator per row (the epilogue). The kernel was the file's
+row layout walked along K before (3-4x the memory floor at decode); see ``kquant_cpu.c`` for the layout.
+
+The activations are quantized per 32 inputs to 15 bits (``quantize_activations``); the u8 x s8 products are summed
+exactly in int32 and the block scales applied in float32.
 
 Error: per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15, far below a bf16 rounding),
-so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 accumulation; ``tests/test_kquant.py`` checks it
+so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 arithmetic; ``tests/test_kquant.py`` checks it
 against ``gguf.quants.dequantize`` and a float64 matmul. Every M runs the same per-row arithmetic (batch
-invariance: a row's result does not depend on the other rows of the call), and every ISA (AVX512-VNNI, AVX-VNNI,
-AVX2, scalar) the same bits.
-
-Speed (one row per weight row pass, up to 4 activation rows sharing each decoded group): see benchmarks in the
-issue-20 report; prefill is the same integer path (no bf16 GEMM on dequantized tiles), which keeps batch invariance
-but is slower than a dense AMX / AVX512-BF16 GEMM for long prompts.
+invariance: a row's result does not depend on the other rows of the call, nor on the thread count), and every ISA
+(AVX512-VNNI, AVX-VNNI, AVX2, scalar) gives the same bits. Prefill runs the same kernel (up to 4 activation rows share
+each decoded group), so prefill and decode rows agree bit for bit too.
 """
 
 from __future__ import annotations
@@ -41,18 +43,46 @@ def get_lib() -> Optional[ctypes.CDLL]:
 
 @dataclass
 class KQuantWeight:
-    """``data [N, row_bytes]`` uint8: N rows of ``n_in`` inputs as ggml blocks of ``ggml_type`` (bytes as stored)."""
+    """``rows`` x ``n_in`` weights of ``ggml_type``: ``data`` is ``[rows, row_bytes]`` uint8 ggml blocks as stored in
+    the file, or (``is_tiled``) the 1-D tiled form of ``kq_pack`` (``kquant_cpu.c``)."""
 
     ggml_type: T
     n_in: int
     data: torch.Tensor
+    n_rows: int = -1
+    is_tiled: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_rows < 0:
+            if self.is_tiled:
+                raise ValueError("a tiled KQuantWeight needs n_rows")
+            self.n_rows = self.data.shape[0]
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.n_rows
+
+    def tiled(self, lib: Optional[ctypes.CDLL] = None) -> "KQuantWeight":
+        """This weight in the kernel's tiled layout (a new buffer; ``self`` if already tiled).
+
+        Raises:
+            ValueError: for a type or ``n_in`` the kernel doesn't take.
+        """
+        if self.is_tiled:
+            return self
+        lib = lib or get_lib()
+        nbytes = lib.kq_packed_bytes(int(self.ggml_type), self.rows, self.n_in)
+        if nbytes < 0:
+            raise ValueError(f"kquant: unsupported type {self.ggml_type.name} or n_in {self.n_in}")
+        src = self.data.contiguous()
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        lib.kq_pack(int(self.ggml_type), src.data_ptr(), self.rows, self.n_in, src.shape[1], out.data_ptr())
+        return KQuantWeight(self.ggml_type, self.n_in, out, self.rows, True)
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, n_in]``, the values ``gguf.quants.dequantize`` gives."""
+        if self.is_tiled:
+            return dequantize_rows(self, torch.arange(self.rows), torch.float32)
         from pagedllm.model_loader.gguf_loader import dequantize_blocks
 
         return dequantize_blocks(self.data.reshape(-1), self.ggml_type, (self.rows, self.n_in))
@@ -65,13 +95,14 @@ def kquant_supports(ggml_type: T, n_in: int) -> bool:
 @dataclass
 class QuantizedActivations:
     """``x [M, K]`` as the kernel takes it: ``hi, lo [M, K]`` int8 (xq = 128 hi + lo, |xq| <= 16256), per block of
-    32 the float32 scale ``xs [M, K/32]`` and ``xs * sum(xq)`` (``sum32 [M, K/32]``, ``sum16 [M, K/16]`` per half)."""
+    32 the float32 scale ``xs [M, K/32]`` and ``xs * sum(xq)`` (``sum32 [M, K/32]``), and the exact int32 sums of xq
+    per half block (``isum16 [M, K/16]``)."""
 
     hi: torch.Tensor
     lo: torch.Tensor
     xs: torch.Tensor
     sum32: torch.Tensor
-    sum16: torch.Tensor
+    isum16: torch.Tensor
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[M, K]``: the activations the matmul actually multiplies (for error bounds in tests)."""
@@ -90,7 +121,7 @@ def quantize_activations(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> 
     lo = torch.empty(m, k, dtype=torch.int8)
     xs = torch.empty(m, k // 32)
     s32 = torch.empty(m, k // 32)
-    s16 = torch.empty(m, k // 16)
+    s16 = torch.empty(m, k // 16, dtype=torch.int32)
     lib.kq_quantize_act(x.data_ptr(), m, k, int(x.dtype == torch.bfloat16), hi.data_ptr(), lo.data_ptr(),
                         xs.data_ptr(), s32.data_ptr(), s16.data_ptr())
     return QuantizedActivations(hi, lo, xs, s32, s16)
@@ -99,16 +130,18 @@ def quantize_activations(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> 
 def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], out_dtype: torch.dtype,
                   lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """``x @ cat(weights).T -> [M, sum N_i]`` in ``out_dtype`` (bf16 / float32): each weight (any supported type,
-    same ``n_in``) writes its own columns of the one output (a fused qkv / gate_up layer needs no cat)."""
+    same ``n_in``) writes its own columns of the one output (a fused qkv / gate_up layer needs no cat). Weights not
+    yet tiled are tiled for this call (layers tile theirs once at load)."""
     lib = lib or get_lib()
+    weights = [w.tiled(lib) for w in weights]
     m, k = acts.hi.shape
     n_total = sum(w.rows for w in weights)
     out = torch.empty(m, n_total, dtype=out_dtype)
     esize = out.element_size()
     col = 0
     for w in weights:
-        rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, w.data.shape[1], acts.hi.data_ptr(),
-                           acts.lo.data_ptr(), acts.xs.data_ptr(), acts.sum32.data_ptr(), acts.sum16.data_ptr(), m,
+        rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, acts.hi.data_ptr(), acts.lo.data_ptr(),
+                           acts.xs.data_ptr(), acts.sum32.data_ptr(), acts.isum16.data_ptr(), m,
                            out.data_ptr() + col * esize, n_total, int(out_dtype == torch.bfloat16))
         if rc != 0:
             raise ValueError(f"kquant_matmul: unsupported ggml type {w.ggml_type.name}")
@@ -134,11 +167,12 @@ def dequantize_rows(w: KQuantWeight, ids: torch.Tensor, dtype: torch.dtype,
         IndexError: for an id outside ``[0, N)``.
     """
     lib = lib or get_lib()
+    w = w.tiled(lib)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.rows):
         raise IndexError(f"token id out of range [0, {w.rows})")
     kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     out = torch.empty(ids.numel(), w.n_in, dtype=kernel_dtype)
-    lib.kq_dequant_rows(int(w.ggml_type), w.data.data_ptr(), w.data.shape[1], w.n_in, ids.data_ptr(), ids.numel(),
+    lib.kq_dequant_rows(int(w.ggml_type), w.data.data_ptr(), w.rows, w.n_in, ids.data_ptr(), ids.numel(),
                         out.data_ptr(), int(kernel_dtype == torch.bfloat16))
     return out if kernel_dtype == dtype else out.to(dtype)
