@@ -78,6 +78,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "kq_quantize_act": Fn((P, I64, I64, I32, P, P, P, P, P)),
         "kq_matmul": Fn((I32, P, I64, I64, P, P, P, P, P, I64, P, I64, I32), I32),
         "kq_dequant_rows": Fn((I32, P, I64, I64, P, I64, P, I32), I32),
+        "kq_dequant_packed_bf16": Fn((I32, P, I64, I64, I64, I64, I32, P), I32),
     }, ("-O3", "-fopenmp", "-ffp-contract=off")),
     Library("stack", ("llama_stack.c",), ("amx", "avx512_bf16", "avx2"), {
         "stack_forward": Fn((P, P)),  # (const struct stack_model *, const struct stack_step *)

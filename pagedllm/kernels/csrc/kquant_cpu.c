@@ -621,3 +621,134 @@ int kq_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int6
     }
     return 0;
 }
+
+/* ---- prefill: tiles dequantized to bf16 in a packed bf16 GEMM's layout ------------------------------------------ */
+
+#if KQ_ISA == 3
+/* 16 floats -> their bf16 bits (round to nearest even, NaN stays NaN) in the low 16 bits of each int32 lane */
+static inline __m512i kq_bf16_bits16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+#endif
+}
+#endif
+
+/* Rows 16 t0 .. 16 t1 - 1 of the tiled weight w, dequantized (gguf's float32 values, rounded once to bf16) into P in
+ * the packed layout of a bf16 linear kernel over those rows alone (N' = 16 (t1 - t0), a multiple of 32):
+ * layout 0: amx_pack's (amx_linear.c), 1: dpbf16_pack's (dpbf16_linear.c). Each tile's group of 32 inputs becomes 16
+ * vectors of 16 rows x one pair of inputs, the pair-interleaved form both kernels read. Vectorized where the build is
+ * AVX512 (kq_isa() == 3), else scalar (same values). Returns 0, or -1 for a bad type, layout or row range. */
+int kq_dequant_packed_bf16(int type, const uint8_t *w, int64_t N, int64_t K, int64_t t0, int64_t t1, int layout,
+                           uint16_t *P) {
+    if (kq_packed_bytes(type, N, K) < 0 || (layout != 0 && layout != 1) || t0 < 0 || t1 <= t0 ||
+        t1 > (N + KQ_R - 1) / KQ_R || (t1 - t0) % 2)
+        return -1;
+    const int T = type, qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
+    const int64_t tb = kq_tbytes(T), tsz = (K / qk) * tb, nrows = KQ_R * (t1 - t0), KB = K / 32;
+    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (t1 - t0) * KB; i++) {
+        const int64_t tl = i / KB, gi = i % KB, sb = gi / ng; /* tile (relative), 32-group, block */
+        const int j = (int)(gi % ng);
+        const uint8_t *h = w + (t0 + tl) * tsz + sb * tb, *g = h + hb + j * gb;
+        /* where pair-row r (inputs 32 gi + 2 r, + 1) of this tile goes: 16 lanes x 2 bf16 = 32 elements */
+        uint16_t *dst;
+        int64_t rstride;
+        if (layout == 0) { /* P[g][kb][jj][r][2c + p], 32-row group g = tl / 2, jj = tl % 2 */
+            dst = P + ((tl / 2) * KB + gi) * 1024 + (tl % 2) * 512;
+            rstride = 32;
+        } else { /* P[b][p][v][2c + q], 64-row block b = tl / 4, v = tl % 4, nv = 4 (2 for a last block of 32) */
+            const int64_t b = tl / 4, nv = (nrows - 64 * b) >= 64 ? 4 : 2;
+            dst = P + 64 * b * K + ((16 * gi) * nv + tl % 4) * 32;
+            rstride = nv * 32;
+        }
+#if KQ_ISA == 3
+        VI cv[8];
+        {
+            if (T == KQ_Q8_0) {
+                for (int c = 0; c < 8; c++) cv[c] = VLOAD(g + 64 * c);
+            } else {
+                const VI m4 = VSET8(0x0F);
+                const int no = kq_nib_off(T);
+                for (int v = 0; v < 4; v++) {
+                    const VI nib = VLOAD(g + no + 64 * v);
+                    cv[v] = VAND(nib, m4);
+                    cv[v + 4] = VAND(VSRL16(nib, 4), m4);
+                }
+                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                    const VI qh = VLOAD(g), b4 = VSET8(0x10);
+                    cv[0] = VOR(cv[0], VAND(VSLL16(qh, 4), b4));
+                    cv[1] = VOR(cv[1], VAND(VSLL16(qh, 3), b4));
+                    cv[2] = VOR(cv[2], VAND(VSLL16(qh, 2), b4));
+                    cv[3] = VOR(cv[3], VAND(VSLL16(qh, 1), b4));
+                    cv[4] = VOR(cv[4], VAND(qh, b4));
+                    cv[5] = VOR(cv[5], VAND(VSRL16(qh, 1), b4));
+                    cv[6] = VOR(cv[6], VAND(VSRL16(qh, 2), b4));
+                    cv[7] = VOR(cv[7], VAND(VSRL16(qh, 3), b4));
+                } else if (T == KQ_Q6_K) {
+                    const VI q0 = VLOAD(g), q1 = VLOAD(g + 64), b45 = VSET8(0x30);
+                    cv[0] = VOR(cv[0], VAND(VSLL16(q0, 4), b45));
+                    cv[1] = VOR(cv[1], VAND(VSLL16(q0, 2), b45));
+                    cv[2] = VOR(cv[2], VAND(q0, b45));
+                    cv[3] = VOR(cv[3], VAND(VSRL16(q0, 2), b45));
+                    cv[4] = VOR(cv[4], VAND(VSLL16(q1, 4), b45));
+                    cv[5] = VOR(cv[5], VAND(VSLL16(q1, 2), b45));
+                    cv[6] = VOR(cv[6], VAND(q1, b45));
+                    cv[7] = VOR(cv[7], VAND(VSRL16(q1, 2), b45));
+                }
+            }
+        }
+        const VF dv = VF16(h);
+        VF a0 = dv, a1 = dv, bm = VZEROF;
+        if (kmin) {
+            a0 = a1 = VMUL(dv, VU8F(h + 64 + 16 * j));
+            bm = VMUL(VF16(h + 32), VU8F(h + 192 + 16 * j));
+        } else if (T == KQ_Q6_K) {
+            a0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j)));
+            a1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1)));
+        }
+        const int off = T == KQ_Q5_0 ? 16 : T == KQ_Q6_K ? 32 : 0;
+        for (int c = 0; c < 8; c++) {
+            const VF a = c < 4 ? a0 : a1;
+            __m512i bits[4];
+            for (int e = 0; e < 4; e++) {
+                __m512i q;
+                if (T == KQ_Q8_0)
+                    q = _mm512_srai_epi32(_mm512_slli_epi32(cv[c], 24 - 8 * e), 24);
+                else
+                    q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(cv[c], 8 * e), _mm512_set1_epi32(0xFF)),
+                                         _mm512_set1_epi32(off));
+                const VF qf = VCVT(q);
+                const VF v = kmin ? VSUBF(VMUL(a, qf), bm) : VMUL(a, qf);
+                bits[e] = kq_bf16_bits16(v);
+            }
+            _mm512_storeu_si512((void *)(dst + (2 * c) * rstride), VOR(bits[0], VSLL32(bits[1], 16)));
+            _mm512_storeu_si512((void *)(dst + (2 * c + 1) * rstride), VOR(bits[2], VSLL32(bits[3], 16)));
+        }
+#else
+        (void)kmin;
+        for (int l = 0; l < KQ_R; l++) {
+            int c[32];
+            kq_tile_codes(T, g, l, c);
+            const float dl = f16_to_f32(h + 2 * l);
+            for (int k = 0; k < 32; k++) {
+                float v;
+                if (T == KQ_Q8_0) v = dl * (float)c[k];
+                else if (T == KQ_Q5_0) v = dl * (float)(c[k] - 16);
+                else if (T == KQ_Q6_K) v = (dl * (float)(int8_t)h[32 + 16 * (2 * j + k / 16) + l]) * (float)(c[k] - 32);
+                else v = (dl * (float)h[64 + 16 * j + l]) * (float)c[k] -
+                         f16_to_f32(h + 32 + 2 * l) * (float)h[192 + 16 * j + l];
+                dst[(k / 2) * rstride + 2 * l + (k % 2)] = f32_to_bf16(v);
+            }
+        }
+#endif
+    }
+    return 0;
+}

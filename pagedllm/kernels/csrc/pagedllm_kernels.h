@@ -84,6 +84,9 @@ int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xh
 /* out [n, K] float32 / bf16 = rows ids of the tiled W dequantized (gguf's values); -1: bad type */
 int kq_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *out,
                     int out_bf16);
+/* tiles t0..t1-1 of the tiled W dequantized to bf16 in amx_pack's (layout 0) or dpbf16_pack's (1) layout; -1: bad */
+int kq_dequant_packed_bf16(int type, const uint8_t *w, int64_t N, int64_t K, int64_t t0, int64_t t1, int layout,
+                           uint16_t *P);
 
 /* ---- llama_stack.c: a Llama model's decoder layers in one call (structs: see that file) ---- */
 struct stack_model;

@@ -149,11 +149,84 @@ def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], o
     return out
 
 
+# Prefill slabs: at most this many weights dequantized to bf16 at once (4 MB), so no full bf16 copy is ever held.
+PREFILL_SLAB_WEIGHTS = 1 << 21
+
+
+def prefill_backend(lib: Optional[ctypes.CDLL] = None):
+    """``(LinearBackend, its library, layout id)`` for prefill rows (``kq_dequant_packed_bf16`` writes that
+    backend's packed layout: 0 AMX, 1 dpbf16), or None: no packed bf16 kernel at this level, or the kquant build
+    is not AVX-512 (its dequantization to bf16 would be scalar, slower than the integer kernel)."""
+    from pagedllm.layers.packed_linear import linear_backend
+
+    lib = lib or get_lib()
+    if lib is None or lib.kq_isa() != 3:
+        return None
+    found = linear_backend(32, 32)
+    if found is None:
+        return None
+    backend, kern = found
+    layout = {"amx": 0, "dpbf16": 1}.get(backend.name)
+    return None if layout is None else (backend, kern, layout)
+
+
+def kquant_prefill_bf16(x: torch.Tensor, weights: Sequence[KQuantWeight], found, lib: Optional[ctypes.CDLL] = None
+                        ) -> torch.Tensor:
+    """``x [T, K]`` bf16 ``@ cat(weights).T -> [T, N]`` bf16 through the packed bf16 GEMM of ``found``
+    (``prefill_backend``): slab by slab, each weight's rows are dequantized (gguf's values, rounded once to bf16)
+    into the kernel's layout and multiplied (float32 sums, one rounding). A row's result does not depend on the other
+    rows (the backends are batch invariant). Every weight's rows must be a multiple of 32."""
+    lib = lib or get_lib()
+    backend, kern, layout = found
+    linear = getattr(kern, backend.linear)
+    x = x.contiguous()
+    m, k = x.shape
+    n_total = sum(w.rows for w in weights)
+    out = torch.empty(m, n_total, dtype=torch.bfloat16)
+    slab_rows = max(64, PREFILL_SLAB_WEIGHTS // k // 64 * 64)
+    buf = torch.empty(min(slab_rows, max(w.rows for w in weights)) * k, dtype=torch.bfloat16)
+    col = 0
+    for w in weights:
+        w = w.tiled(lib)
+        for r0 in range(0, w.rows, slab_rows):
+            r1 = min(w.rows, r0 + slab_rows)
+            rc = lib.kq_dequant_packed_bf16(int(w.ggml_type), w.data.data_ptr(), w.rows, k, r0 // 16, r1 // 16, layout,
+                                            buf.data_ptr())
+            if rc != 0:
+                raise ValueError(f"kquant_prefill_bf16: bad type {w.ggml_type.name} or rows {w.rows}")
+            if r0 == 0 and r1 == n_total:
+                linear(x.data_ptr(), m, k, buf.data_ptr(), r1 - r0, None, out.data_ptr(), 0)
+            else:
+                y = torch.empty(m, r1 - r0, dtype=torch.bfloat16)
+                linear(x.data_ptr(), m, k, buf.data_ptr(), r1 - r0, None, y.data_ptr(), 0)
+                out[:, col + r0 : col + r1] = y
+        col += w.rows
+    return out
+
+
 def kquant_linear(x: torch.Tensor, weights: Sequence[KQuantWeight], out_dtype: Optional[torch.dtype] = None,
                   lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """``x [T, K] @ cat(weights).T -> [T, N]`` in ``out_dtype`` (default x's dtype; float16 comes via float32)."""
+    """``x [T, K] @ cat(weights).T -> [T, N]`` in ``out_dtype`` (default x's dtype; float16 comes via float32).
+
+    Each row's kernel depends on the row's kind, never on how many rows share the call (batch invariance): rows the
+    model runner marked as prefill rows (``step_rows``) of a bf16 layer go through ``kquant_prefill_bf16`` where the
+    level has a packed bf16 GEMM (tiles dequantized to bf16: the weights rounded once to bf16, like a bf16 model);
+    decode rows and every other call run the integer kernel on the file's exact values."""
+    from pagedllm.layers.quantization.kernels import current_step_rows
+
     out_dtype = out_dtype or x.dtype
     kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    rows = current_step_rows() if x.dtype == out_dtype == torch.bfloat16 else None
+    if rows is not None and rows.num_tokens == x.shape[0] and rows.prefill is not None and all(
+            w.rows % 32 == 0 for w in weights) and x.shape[1] % 32 == 0:
+        found = prefill_backend(lib)
+        if found is not None:
+            if rows.decode is None:
+                return kquant_prefill_bf16(x, weights, found, lib)
+            out = torch.empty(x.shape[0], sum(w.rows for w in weights), dtype=torch.bfloat16)
+            out[rows.decode] = kquant_matmul(quantize_activations(x[rows.decode], lib), weights, torch.bfloat16, lib)
+            out[rows.prefill] = kquant_prefill_bf16(x[rows.prefill], weights, found, lib)
+            return out
     y = kquant_matmul(quantize_activations(x, lib), weights, kernel_dtype, lib)
     return y if kernel_dtype == out_dtype else y.to(out_dtype)
 
