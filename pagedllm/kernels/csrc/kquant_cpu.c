@@ -180,7 +180,7 @@ void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *x
 /* ---- the file's codes, and the repack ------------------------------------------------------------------------- */
 
 /* Codes of group j (32 inputs) of the file block blk: Q8_0 its signed q, the others the unsigned code. */
-static void kq_file_codes(const int T, const uint8_t *blk, int j, int c[32]) {
+static inline __attribute__((always_inline)) void kq_file_codes(const int T, const uint8_t *blk, int j, int c[32]) {
     if (T == KQ_Q8_0) {
         for (int e = 0; e < 32; e++) c[e] = (int8_t)blk[2 + e];
     } else if (T == KQ_Q5_0) {
@@ -225,51 +225,73 @@ static void kq_tile_codes(const int T, const uint8_t *g, int r, int c[32]) {
     }
 }
 
+/* Tile t's block sb (16 rows of the file's block sb) -> o (kq_tbytes), T a constant after inlining. */
+static inline __attribute__((always_inline)) void kq_pack_block(const int T, const uint8_t *src, int64_t N,
+                                                                int64_t row_bytes, int64_t t, int64_t sb,
+                                                                uint8_t *o) {
+    const int qk = kq_qk(T), fb = kq_fbytes(T), hb = kq_hbytes(T), gb = kq_gbytes(T);
+    if (t * KQ_R + KQ_R > N) memset(o, 0, kq_tbytes(T)); /* rows past N stay zero */
+    for (int r = 0; r < KQ_R; r++) {
+        const int64_t n = t * KQ_R + r;
+        if (n >= N) break;
+        const uint8_t *blk = src + n * row_bytes + sb * fb;
+        if (T == KQ_Q8_0 || T == KQ_Q5_0) {
+            memcpy(o + 2 * r, blk, 2);
+        } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
+            memcpy(o + 2 * r, blk, 2);
+            memcpy(o + 32 + 2 * r, blk + 2, 2);
+            for (int j = 0; j < 8; j++) {
+                int sc, m;
+                kq_scale_min(blk + 4, j, &sc, &m);
+                o[64 + 16 * j + r] = (uint8_t)sc;
+                o[192 + 16 * j + r] = (uint8_t)m;
+            }
+        } else {
+            memcpy(o + 2 * r, blk + 208, 2);
+            for (int s = 0; s < 16; s++) o[32 + 16 * s + r] = blk[192 + s];
+        }
+        for (int j = 0; j < qk / 32; j++) {
+            uint8_t *g = o + hb + j * gb;
+            int c[32];
+            kq_file_codes(T, blk, j, c);
+            for (int e = 0; e < 4; e++) {
+                const int b = 4 * r + e;
+                if (T == KQ_Q8_0) {
+                    for (int ch = 0; ch < 8; ch++) g[64 * ch + b] = (uint8_t)c[4 * ch + e];
+                    continue;
+                }
+                for (int v = 0; v < 4; v++) /* chunk v low nibble, chunk v + 4 high */
+                    g[kq_nib_off(T) + 64 * v + b] = (uint8_t)((c[4 * v + e] & 15) | ((c[16 + 4 * v + e] & 15) << 4));
+                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                    int bits = 0;
+                    for (int ch = 0; ch < 8; ch++) bits |= ((c[4 * ch + e] >> 4) & 1) << ch;
+                    g[b] = (uint8_t)bits;
+                }
+                if (T == KQ_Q6_K)
+                    for (int hh = 0; hh < 2; hh++) {
+                        int bits = 0;
+                        for (int cc = 0; cc < 4; cc++) bits |= ((c[4 * (4 * hh + cc) + e] >> 4) & 3) << (2 * cc);
+                        g[64 * hh + b] = (uint8_t)bits;
+                    }
+            }
+        }
+    }
+}
+
 /* dst (kq_packed_bytes) = the tiled form of src [N][row_bytes] (the file's rows of ggml blocks). Rows past N in
  * the last tile are zero. Returns 0, or -1 for an unsupported type or K. */
 int kq_pack(int type, const uint8_t *src, int64_t N, int64_t K, int64_t row_bytes, uint8_t *dst) {
     if (kq_packed_bytes(type, N, K) < 0) return -1;
-    const int T = type, qk = kq_qk(T), fb = kq_fbytes(T), hb = kq_hbytes(T), gb = kq_gbytes(T);
-    const int64_t nsb = K / qk, tb = kq_tbytes(T), nt = (N + KQ_R - 1) / KQ_R;
+    const int64_t nsb = K / kq_qk(type), tb = kq_tbytes(type), nt = (N + KQ_R - 1) / KQ_R;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < nt * nsb; i++) {
         const int64_t t = i / nsb, sb = i % nsb;
-        uint8_t *o = dst + i * tb;
-        memset(o, 0, tb);
-        for (int r = 0; r < KQ_R; r++) {
-            const int64_t n = t * KQ_R + r;
-            if (n >= N) break;
-            const uint8_t *blk = src + n * row_bytes + sb * fb;
-            if (T == KQ_Q8_0 || T == KQ_Q5_0) {
-                memcpy(o + 2 * r, blk, 2);
-            } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
-                memcpy(o + 2 * r, blk, 2);
-                memcpy(o + 32 + 2 * r, blk + 2, 2);
-                for (int j = 0; j < 8; j++) {
-                    int sc, m;
-                    kq_scale_min(blk + 4, j, &sc, &m);
-                    o[64 + 16 * j + r] = (uint8_t)sc;
-                    o[192 + 16 * j + r] = (uint8_t)m;
-                }
-            } else {
-                memcpy(o + 2 * r, blk + 208, 2);
-                for (int s = 0; s < 16; s++) o[32 + 16 * s + r] = blk[192 + s];
-            }
-            for (int j = 0; j < qk / 32; j++) {
-                uint8_t *g = o + hb + j * gb;
-                int c[32];
-                kq_file_codes(T, blk, j, c);
-                for (int k = 0; k < 32; k++) {
-                    const int ch = k / 4, b = 4 * r + k % 4;
-                    if (T == KQ_Q8_0) {
-                        g[64 * ch + b] = (uint8_t)c[k];
-                        continue;
-                    }
-                    g[kq_nib_off(T) + 64 * (ch & 3) + b] |= (uint8_t)((c[k] & 15) << (ch >= 4 ? 4 : 0));
-                    if (T == KQ_Q5_0 || T == KQ_Q5_K) g[b] |= (uint8_t)(((c[k] >> 4) & 1) << ch);
-                    if (T == KQ_Q6_K) g[64 * (ch / 4) + b] |= (uint8_t)(((c[k] >> 4) & 3) << (2 * (ch & 3)));
-                }
-            }
+        switch (type) {
+            case KQ_Q8_0: kq_pack_block(KQ_Q8_0, src, N, row_bytes, t, sb, dst + i * tb); break;
+            case KQ_Q5_0: kq_pack_block(KQ_Q5_0, src, N, row_bytes, t, sb, dst + i * tb); break;
+            case KQ_Q4_K: kq_pack_block(KQ_Q4_K, src, N, row_bytes, t, sb, dst + i * tb); break;
+            case KQ_Q5_K: kq_pack_block(KQ_Q5_K, src, N, row_bytes, t, sb, dst + i * tb); break;
+            default: kq_pack_block(KQ_Q6_K, src, N, row_bytes, t, sb, dst + i * tb); break;
         }
     }
     return 0;

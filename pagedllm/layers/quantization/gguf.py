@@ -2,7 +2,7 @@
 
 | ggml type | kept as | exact? |
 |---|---|---|
-| Q8_0, Q5_0, Q4_K, Q5_K, Q6_K | the file's blocks as stored (``kquant.KQuantWeight``, ``kernels/csrc/kquant_cpu.c``) | yes |
+| Q8_0, Q5_0, Q4_K, Q5_K, Q6_K | the file's values in our 16-row tiles (``kquant.KQuantWeight``, ``kernels/csrc/kquant_cpu.c``) | yes |
 | Q4_0 (``d * (q - 8)``) | int4, group 32, zero 0 | yes (d rounded to the activation dtype) |
 | Q4_1 (``d * q + m``) | int4, group 32, zero ``m + 8 d`` | yes (scale and zero rounded to the activation dtype) |
 | Q2_K, Q3_K, IQ4_* | int4, group 32 (min-max of the dequantized values) | requantized |
