@@ -92,17 +92,43 @@ def kquant_supports(ggml_type: T, n_in: int) -> bool:
     return ggml_type in KQUANT_TYPES and n_in % GGML_QUANT_SIZES[ggml_type][0] == 0 and get_lib() is not None
 
 
-@dataclass
 class QuantizedActivations:
-    """``x [M, K]`` as the kernel takes it: ``hi, lo [M, K]`` int8 (xq = 128 hi + lo, |xq| <= 16256), per block of
-    32 the float32 scale ``xs [M, K/32]`` and ``xs * sum(xq)`` (``sum32 [M, K/32]``), and the exact int32 sums of xq
-    per half block (``isum16 [M, K/16]``)."""
+    """``x [M, K]`` as the kernel takes it, in one buffer: ``hi, lo [M, K]`` int8 (xq = 128 hi + lo,
+    |xq| <= 16256), per block of 32 the float32 scale ``xs [M, K/32]`` and ``xs * sum(xq)`` (``sum32 [M, K/32]``),
+    and the exact int32 sums of xq per half block (``isum16 [M, K/16]``). The views are made on demand (a decode
+    step quantizes ~100 activations: one allocation each keeps the per-call overhead at a few microseconds)."""
 
-    hi: torch.Tensor
-    lo: torch.Tensor
-    xs: torch.Tensor
-    sum32: torch.Tensor
-    isum16: torch.Tensor
+    def __init__(self, m: int, k: int) -> None:
+        self.m, self.k = m, k
+        self.buf = torch.empty(2 * m * k + 4 * m * (k // 32) * 2 + 4 * m * (k // 16), dtype=torch.uint8)
+        base = self.buf.data_ptr()
+        n32 = m * (k // 32)
+        self.ptrs = (base, base + m * k, base + 2 * m * k, base + 2 * m * k + 4 * n32, base + 2 * m * k + 8 * n32)
+
+    def _view(self, i: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        off = self.ptrs[i] - self.ptrs[0]
+        size = self.m * cols * torch.empty((), dtype=dtype).element_size()
+        return self.buf[off : off + size].view(dtype).view(self.m, cols)
+
+    @property
+    def hi(self) -> torch.Tensor:
+        return self._view(0, torch.int8, self.k)
+
+    @property
+    def lo(self) -> torch.Tensor:
+        return self._view(1, torch.int8, self.k)
+
+    @property
+    def xs(self) -> torch.Tensor:
+        return self._view(2, torch.float32, self.k // 32)
+
+    @property
+    def sum32(self) -> torch.Tensor:
+        return self._view(3, torch.float32, self.k // 32)
+
+    @property
+    def isum16(self) -> torch.Tensor:
+        return self._view(4, torch.int32, self.k // 16)
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[M, K]``: the activations the matmul actually multiplies (for error bounds in tests)."""
@@ -117,14 +143,9 @@ def quantize_activations(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> 
         x = x.float()
     x = x.contiguous()
     m, k = x.shape
-    hi = torch.empty(m, k, dtype=torch.int8)
-    lo = torch.empty(m, k, dtype=torch.int8)
-    xs = torch.empty(m, k // 32)
-    s32 = torch.empty(m, k // 32)
-    s16 = torch.empty(m, k // 16, dtype=torch.int32)
-    lib.kq_quantize_act(x.data_ptr(), m, k, int(x.dtype == torch.bfloat16), hi.data_ptr(), lo.data_ptr(),
-                        xs.data_ptr(), s32.data_ptr(), s16.data_ptr())
-    return QuantizedActivations(hi, lo, xs, s32, s16)
+    a = QuantizedActivations(m, k)
+    lib.kq_quantize_act(x.data_ptr(), m, k, int(x.dtype == torch.bfloat16), *a.ptrs)
+    return a
 
 
 def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], out_dtype: torch.dtype,
@@ -134,14 +155,14 @@ def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], o
     yet tiled are tiled for this call (layers tile theirs once at load)."""
     lib = lib or get_lib()
     weights = [w.tiled(lib) for w in weights]
-    m, k = acts.hi.shape
+    m, k = acts.m, acts.k
+    p_hi, p_lo, p_xs, p_s32, p_i16 = acts.ptrs
     n_total = sum(w.rows for w in weights)
     out = torch.empty(m, n_total, dtype=out_dtype)
     esize = out.element_size()
     col = 0
     for w in weights:
-        rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, acts.hi.data_ptr(), acts.lo.data_ptr(),
-                           acts.xs.data_ptr(), acts.sum32.data_ptr(), acts.isum16.data_ptr(), m,
+        rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, p_hi, p_lo, p_xs, p_s32, p_i16, m,
                            out.data_ptr() + col * esize, n_total, int(out_dtype == torch.bfloat16))
         if rc != 0:
             raise ValueError(f"kquant_matmul: unsupported ggml type {w.ggml_type.name}")
