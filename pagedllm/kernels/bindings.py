@@ -75,6 +75,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "kq_isa": Fn((), I32),
         "kq_packed_bytes": Fn((I32, I64, I64), I64),
         "kq_pack": Fn((I32, P, I64, I64, I64, P), I32),
+        "kq_release_file_pages": Fn((P, I64), I32),
         "kq_quantize_act": Fn((P, I64, I64, I32, P, P, P, P, P)),
         "kq_matmul": Fn((I32, P, I64, I64, P, P, P, P, P, I64, P, I64, I32), I32),
         "kq_dequant_rows": Fn((I32, P, I64, I64, P, I64, P, I32), I32),

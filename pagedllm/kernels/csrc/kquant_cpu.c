@@ -37,6 +37,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "pagedllm_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
@@ -300,6 +302,17 @@ int kq_pack(int type, const uint8_t *src, int64_t N, int64_t K, int64_t row_byte
         }
     }
     return 0;
+}
+
+/* Drops the whole pages inside [p, p + n) of a read-only or never-written copy-on-write FILE mapping from the
+ * process's resident memory (madvise MADV_DONTNEED; a later read faults them in again from the file). Used on a
+ * GGUF tensor's mapped bytes once they are tiled, so the process doesn't hold both. Never call it on anonymous
+ * memory (its contents would be lost). Returns madvise's result (0, or -1). */
+int kq_release_file_pages(const void *p, int64_t n) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)p + page - 1) / page * page, b = ((uintptr_t)p + (uintptr_t)n) / page * page;
+    if (b <= a) return 0;
+    return madvise((void *)a, b - a, MADV_DONTNEED);
 }
 
 /* ---- the matmul ----------------------------------------------------------------------------------------------- */

@@ -73,6 +73,8 @@ int kq_isa(void); /* the path this build runs: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2
 int64_t kq_packed_bytes(int type, int64_t N, int64_t K);
 /* dst = the tiled form of src [N, row_bytes] (the file's ggml blocks); -1: bad type or K */
 int kq_pack(int type, const uint8_t *src, int64_t N, int64_t K, int64_t row_bytes, uint8_t *dst);
+/* madvise(MADV_DONTNEED) on the whole pages of [p, p + n) of a file mapping (never anonymous memory) */
+int kq_release_file_pages(const void *p, int64_t n);
 /* x [M, K] bf16 / float32 -> 15-bit activations: xhi, xlo int8 [M, K]; xs, xsum32 float [M, K/32]; isum16 int32
  * [M, K/16] */
 void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *xhi, int8_t *xlo, float *xs,

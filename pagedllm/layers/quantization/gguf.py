@@ -34,11 +34,14 @@ _logged: set[str] = set()
 @dataclass
 class GGUFWeight:
     """One quantized GGUF matrix: ``data [rows, row_bytes]`` uint8 holds ``rows`` rows of ``shape[1]`` values as
-    ggml blocks. Rows are independent, so row permutations (llama.cpp's Q/K order) apply to ``data`` directly."""
+    ggml blocks. Rows are independent, so row permutations (llama.cpp's Q/K order) apply to ``data`` directly.
+    ``file_backed``: ``data`` is a view of the loader's copy-on-write file mapping, never written (so its pages may be
+    dropped from resident memory once the weight is converted: ``KQuantWeight.tiled``)."""
 
     ggml_type: T
     shape: tuple[int, int]
     data: torch.Tensor
+    file_backed: bool = False
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``shape`` (the loader's dequantization)."""
@@ -64,7 +67,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:  # [n_blocks, 16] -> [n_blocks, 
 def gguf_to_canonical(w: GGUFWeight) -> KQuantWeight | Int4Groups | Int8Rows:
     rows, cols = w.shape
     if kquant_supports(w.ggml_type, cols):
-        return KQuantWeight(w.ggml_type, cols, w.data)
+        return KQuantWeight(w.ggml_type, cols, w.data, file_backed=w.file_backed)
     _, type_size = GGML_QUANT_SIZES[w.ggml_type]
     if w.ggml_type in (T.Q4_0, T.Q4_1):
         blocks = w.data.reshape(-1, type_size)

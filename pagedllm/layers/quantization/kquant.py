@@ -44,13 +44,16 @@ def get_lib() -> Optional[ctypes.CDLL]:
 @dataclass
 class KQuantWeight:
     """``rows`` x ``n_in`` weights of ``ggml_type``: ``data`` is ``[rows, row_bytes]`` uint8 ggml blocks as stored in
-    the file, or (``is_tiled``) the 1-D tiled form of ``kq_pack`` (``kquant_cpu.c``)."""
+    the file, or (``is_tiled``) the 1-D tiled form of ``kq_pack`` (``kquant_cpu.c``). ``file_backed``: ``data`` is a
+    view of a read-only (or never written copy-on-write) file mapping, whose pages ``tiled()`` drops from resident
+    memory once copied (they would otherwise stay resident while the mapping lives: two copies)."""
 
     ggml_type: T
     n_in: int
     data: torch.Tensor
     n_rows: int = -1
     is_tiled: bool = False
+    file_backed: bool = False
 
     def __post_init__(self) -> None:
         if self.n_rows < 0:
@@ -77,6 +80,8 @@ class KQuantWeight:
         src = self.data.contiguous()
         out = torch.empty(nbytes, dtype=torch.uint8)
         lib.kq_pack(int(self.ggml_type), src.data_ptr(), self.rows, self.n_in, src.shape[1], out.data_ptr())
+        if self.file_backed and src.data_ptr() == self.data.data_ptr():
+            lib.kq_release_file_pages(src.data_ptr(), src.numel())
         return KQuantWeight(self.ggml_type, self.n_in, out, self.rows, True)
 
     def dequantize(self) -> torch.Tensor:
