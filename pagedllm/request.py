@@ -45,12 +45,17 @@ class Request:
     ``spec_token_ids``: draft tokens proposed after the last step (speculative decoding), to follow
     ``all_token_ids``; never part of it until verified. ``spec_acceptance``: the recent share of this request's
     draft tokens that were accepted (``pagedllm.spec_decode.adaptive``).
+
+    ``awaiting_grammar``: its structured-output grammar is still compiling; the scheduler may prefill all of its
+    prompt but the last token (whose logits are sampled, under the grammar's mask), so the compile overlaps the
+    prefill instead of adding to the time to first token.
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "status", "stop_reason", "num_cached_tokens", "block_hashes",
         "cache_salt", "max_tokens", "num_preemptions", "max_model_len", "spec_token_ids", "spec_acceptance",
+        "awaiting_grammar",
     )
 
     def __init__(
@@ -84,6 +89,7 @@ class Request:
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
         self.spec_acceptance = 1.0
+        self.awaiting_grammar = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -56,3 +56,27 @@ def test_valid_output_rate():
     assert m["structured_requests"] == 3 and m["valid_outputs"] == 1
     assert abs(m["valid_output_rate"] - 1 / 3) < 1e-9
     assert m["structured_cut_by_length"] == 1
+
+
+def test_ttft_split_by_new_seen_and_unconstrained_schema():
+    """The first request (by start time) of each schema counts as "new schema", later ones as "seen"."""
+    a, b = load_json_schemas()[0]["schema"], load_json_schemas()[1]["schema"]
+    rs = [RequestResult(success=True, output_tokens=3, ttft=t, latency=1.0, start_time=st, schema=sc,
+                        generated_text="{}")
+          for st, t, sc in ((0.0, 0.30, a), (0.1, 0.10, a), (0.2, 0.50, b), (0.3, 0.12, b), (0.4, 0.05, None))]
+    m = compute_metrics(rs, 1.0, max_concurrency=None, request_rate=float("inf"))
+    assert (m["num_new_schema"], m["num_seen_schema"], m["num_unconstrained"]) == (2, 2, 1)
+    assert abs(m["median_ttft_ms_new_schema"] - 400.0) < 1e-6 and abs(m["median_ttft_ms_seen_schema"] - 110.0) < 1e-6
+    assert abs(m["median_ttft_ms_unconstrained"] - 50.0) < 1e-6
+
+
+def test_fresh_tag_changes_the_schema_text_not_its_meaning():
+    import jsonschema
+
+    reqs = _reqs(4)
+    mark_structured(reqs, 1.0, seed=1, fresh_tag="run-7")
+    for r in reqs:
+        c = r.extra["constrain"]
+        assert c != r.extra["schema"] and c["$comment"] == "bench run-7"
+        assert {k: v for k, v in c.items() if k != "$comment"} == r.extra["schema"]
+        jsonschema.Draft202012Validator.check_schema(c)

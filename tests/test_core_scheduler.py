@@ -454,3 +454,45 @@ def test_preemption_victim_is_the_latest_request_not_in_flight():
     assert first and first[0] == [{"r0": 1}]
     assert s.requests == {} and peak == 2
     assert _tokens(outs) == {f"r{i}": [104, 105, 106, 107] for i in range(3)}
+
+
+def test_awaiting_grammar_prefills_all_but_the_sampled_token_and_never_blocks_the_queue():
+    """A request whose grammar still compiles (``awaiting_grammar``) prefills its prompt up to, not including, its
+    last token (the one whose logits are sampled under the mask); one with nothing left to prefill steps aside
+    without holding up the requests behind it, and keeps its place; once the grammar is ready it samples."""
+    sched = make_sched(budget=8)
+    runner = FakeRunner(sched)
+    a = req("a", 10)
+    a.awaiting_grammar = True
+    one = req("one", 1)
+    one.awaiting_grammar = True  # a 1-token prompt: nothing to prefill before the sampled token
+    b = req("b", 3)
+    for r in (a, one, b):
+        sched.add_request(r)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 8}  # a chunk of a; budget spent
+    sched.update_from_output(so, runner(so))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 3}  # a stops one short of its prompt; "one" steps aside
+    sched.update_from_output(so, runner(so))
+    assert a.num_computed_tokens == 9 and a.num_output_tokens == 0 and b.num_output_tokens == 1
+    assert list(sched.waiting) == [one]
+    so = sched.schedule()
+    assert "a" not in so.num_scheduled_tokens and "one" not in so.num_scheduled_tokens
+    sched.update_from_output(so, runner(so))
+    a.awaiting_grammar = one.awaiting_grammar = False
+    so = sched.schedule()
+    assert so.num_scheduled_tokens["a"] == 1 and so.num_scheduled_tokens["one"] == 1
+    sched.update_from_output(so, runner(so))
+    assert a.num_output_tokens == 1 and one.num_output_tokens == 1
+    check_pool_invariants(sched)
+
+
+def test_awaiting_grammar_without_chunked_prefill_waits_whole():
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    sched = Scheduler(kv, 8, 32, 256, enable_chunked_prefill=False)
+    a = req("a", 10)
+    a.awaiting_grammar = True
+    sched.add_request(a)
+    sched.add_request(req("b", 5))
+    assert sched.schedule().num_scheduled_tokens == {"b": 5}

@@ -608,3 +608,57 @@ def test_smollm2_quantized_bf16_chat_answers_like_dense():
     got = quant.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
     want = LLM(quantization="none", **kw).chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
     assert "Paris" in want and got == want
+
+
+@pytest.mark.parametrize("layout", ["avx512", "avx2", "default"])
+def test_int4_pack_layouts_round_trip_and_aten_writes_its_own(layout):
+    """Each int4 pack layout unpacks to the codes packed; aten's pack (whose layout follows its runtime CPU
+    capability: ATEN_CPU_CAPABILITY=avx2 at our level avx2) is byte for byte ours of the layout we detect for it."""
+    from pagedllm.layers.quantization import kernels as K
+
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (128, 96), dtype=torch.int32)
+    packed = K.int4_pack_codes(q, layout)
+    assert packed.shape == (128, 48) and packed.dtype == torch.uint8
+    assert torch.equal(K.int4_unpack_codes(packed, layout).int(), q)
+    others = [name for name in K.INT4_LAYOUTS if name != layout]
+    assert all(not torch.equal(K.int4_unpack_codes(packed, o).int(), q) for o in others)
+    aten = K.aten_int4_layout()
+    if aten == layout:
+        assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), packed)
+
+
+def test_int4_pack_of_aten_layout_computes_like_ours(monkeypatch):
+    """A layer packed in aten's layout (what runs where our int4 kernels don't load) and one packed in ours give the
+    same weight and, through int4_matmul, the same products within bf16 rounding."""
+    from pagedllm.layers.quantization import kernels as K
+
+    aten = K.aten_int4_layout()
+    if aten is None:
+        pytest.skip("aten's int4 pack layout is unknown here: its op is never used")
+    torch.manual_seed(2)
+    w = K.quantize_int4_minmax(torch.randn(100, 256), 32)
+    x = torch.randn(3, 256).bfloat16()
+    weights = []
+    for layout in sorted({aten, K.INT4_OURS}):
+        pk = K.PackedInt4.pack(w, torch.bfloat16, layout=layout)
+        assert pk["layout"] == layout
+        wl = K.PackedInt4.expand(pk["packed"], pk["scales_and_zeros"], 32, torch.float32, layout)[:100]
+        weights.append(wl)
+        got = K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], 32, 100, torch.float32, layout).double()
+        torch.testing.assert_close(got, x.double() @ wl.double().t(), atol=1e-2, rtol=1e-3)  # 15-bit x: ours
+    assert all(torch.equal(a, weights[0]) for a in weights)
+
+
+@pytest.mark.slow
+def test_smollm2_int4_chat_answers_paris():
+    """The bundled 4-bit SmolLM2 at the process's ISA level (tests/test_isa_levels.py runs this at every level the
+    CPU supports, with ATen's capability capped too) knows the capital of France: a wrong int4 layout or kernel at a
+    level shows here as gibberish."""
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = LLM(quantization="gguf", dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in out, out

@@ -96,6 +96,9 @@ def test_slow_compile_does_not_stall_the_batch(llm):
             if "plain" in finished:
                 break
         assert "plain" in finished and "json" not in finished  # the plain request ran while the grammar compiled
+        waiting = eng.engine_core.scheduler.requests["json"]  # ... and the constrained one prefilled meanwhile,
+        assert waiting.awaiting_grammar and waiting.num_output_tokens == 0  # up to the token it samples
+        assert waiting.num_computed_tokens == waiting.num_prompt_tokens - 1 > 0
         release.set()
         while eng.has_unfinished_requests():
             for ro in eng.step():

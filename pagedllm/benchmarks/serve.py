@@ -238,6 +238,20 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
         m["valid_output_rate"] = m["valid_outputs"] / len(constrained)
         # invalid ones cut off by max_tokens (an unfinished JSON text) vs finished but invalid (a grammar bug)
         m["structured_cut_by_length"] = sum(1 for r in constrained if r.success and r.finish_reason == "length")
+        # TTFT by what the server had to do first: compile a schema it sees for the first time in this run (a cache
+        # miss when the server is fresh or --fresh-schemas is on), reuse one, or nothing (unconstrained).
+        seen: set[str] = set()
+        split: dict[str, list[float]] = {"new_schema": [], "seen_schema": [], "unconstrained": []}
+        for r in sorted(ok, key=lambda r: r.start_time):
+            if r.schema is None:
+                split["unconstrained"].append(r.ttft)
+                continue
+            key = json.dumps(r.schema, sort_keys=True)
+            split["seen_schema" if key in seen else "new_schema"].append(r.ttft)
+            seen.add(key)
+        for kind, xs in split.items():
+            m[f"num_{kind}"] = len(xs)
+            m[f"median_ttft_ms_{kind}"] = statistics.median(xs) * 1000.0 if xs else float("nan")
     m["errors"] = sorted({r.error for r in results if not r.success})[:10]
     m["input_lens"] = [r.prompt_len for r in ok]
     m["output_lens"] = [r.output_tokens for r in ok]
@@ -320,6 +334,10 @@ def format_table(m: dict, percentiles: tuple[float, ...] = (99.0,), title: str =
         row("Structured requests:", m["structured_requests"], "{:<10}")
         row("Valid outputs (JSON, schema):", f"{m['valid_outputs']} ({100 * m['valid_output_rate']:.1f}%)")
         row("Structured outputs cut by max_tokens:", m["structured_cut_by_length"], "{:<10}")
+        for kind, label in (("new_schema", "new schema"), ("seen_schema", "seen schema"),
+                            ("unconstrained", "unconstrained")):
+            if m.get(f"num_{kind}"):
+                row(f"Median TTFT, {label} (ms, n={m[f'num_{kind}']}):", m[f"median_ttft_ms_{kind}"])
     for name, head in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"{head:-^{w}}")
@@ -422,6 +440,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-output-ratio", type=float, default=1.0,
                    help="json-schema workload: share of requests constrained to their schema (response_format "
                         "json_schema on chat, structured_outputs on completions); the valid-output rate is reported.")
+    p.add_argument("--fresh-schemas", action="store_true",
+                   help="json-schema workload: tag this run's schemas (a $comment) so the server compiles each "
+                        "anew; the table's 'new schema' TTFT is then the cost of a grammar cache miss.")
     add_dataset_args(p)
 
 
@@ -435,9 +456,11 @@ async def _first_model(base_url: str, api_key: Optional[str]) -> str:
             return (await r.json())["data"][0]["id"]
 
 
-def mark_structured(reqs: list[BenchRequest], ratio: float, seed: int) -> int:
+def mark_structured(reqs: list[BenchRequest], ratio: float, seed: int, fresh_tag: Optional[str] = None) -> int:
     """Constrains ``round(ratio * n)`` of the requests that carry a schema (json-schema workload), chosen with
-    ``seed``; the others run unconstrained (same prompts). Returns how many were constrained."""
+    ``seed``; the others run unconstrained (same prompts). Returns how many were constrained. ``fresh_tag``: added
+    to each schema as a ``$comment`` (no meaning to validation), so a server that cached the shipped schemas in an
+    earlier run compiles them again: the "new schema" TTFT is then a real cache miss."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"structured_output_ratio must be in [0, 1], got {ratio}.")
     with_schema = [i for i, r in enumerate(reqs) if "schema" in r.extra]
@@ -445,7 +468,8 @@ def mark_structured(reqs: list[BenchRequest], ratio: float, seed: int) -> int:
     chosen = set(random.Random(seed).sample(with_schema, k)) if k else set()
     for i in with_schema:
         if i in chosen:
-            reqs[i].extra["constrain"] = reqs[i].extra["schema"]
+            schema = reqs[i].extra["schema"]
+            reqs[i].extra["constrain"] = {**schema, "$comment": f"bench {fresh_tag}"} if fresh_tag else schema
         else:
             reqs[i].extra.pop("constrain", None)
     return k
@@ -458,7 +482,8 @@ def run_serve_benchmark(ns: argparse.Namespace) -> dict:
     num_prompts = ns.num_prompts or 64
     tok = load_tokenizer(ns.tokenizer)
     reqs = requests_from_args(ns, tok, num_prompts)
-    mark_structured(reqs, ns.structured_output_ratio, ns.seed)
+    mark_structured(reqs, ns.structured_output_ratio, ns.seed,
+                    fresh_tag=f"{os.getpid()}-{time.time_ns()}" if ns.fresh_schemas else None)
     model = ns.model or asyncio.run(_first_model(base_url, ns.api_key))
     percentiles = tuple(ns.percentiles)
     levels = []

@@ -183,7 +183,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens - req.awaiting_grammar, budget)
             if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
@@ -215,7 +215,9 @@ class Scheduler:
             if len(num_scheduled) >= max_reqs:
                 break
 
-        # 2. Waiting requests, FCFS (not in a step that had to preempt: memory is short).
+        # 2. Waiting requests, FCFS (not in a step that had to preempt: memory is short). One whose grammar is still
+        # compiling and that has nothing to prefill before its sampled token steps aside (it keeps its place).
+        held_back: list[Request] = []
         if not preempted:
             while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                    and len(num_scheduled) < max_reqs):
@@ -225,6 +227,11 @@ class Scheduler:
                 resumed = req.status == RequestStatus.PREEMPTED
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 n = req.num_tokens - num_hit
+                if req.awaiting_grammar:
+                    n -= 1  # a prompt chunk short of the sampled token (itself a chunk: chunked prefill only)
+                    if n <= 0 or not self.enable_chunked_prefill:
+                        held_back.append(self.waiting.popleft())
+                        continue
                 if n > budget and not self.enable_chunked_prefill:
                     break
                 n = min(n, budget)
@@ -251,6 +258,7 @@ class Scheduler:
                         req.eos_token_ids))
                 budget -= n
                 assert not resumed or req.request_id in self._known_to_runner
+        self.waiting.extendleft(reversed(held_back))
 
         # Lay requests out in running order (old running first, then newly admitted).
         ordered = {r.request_id: num_scheduled[r.request_id] for r in self.running if r.request_id in num_scheduled}

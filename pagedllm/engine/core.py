@@ -76,8 +76,8 @@ class EngineCore:
                 raise ValueError("structured_outputs needs a tokenizer (the engine runs with skip_tokenizer_init).")
             if request.request_id in self.scheduler.requests:
                 raise ValueError(f"request_id {request.request_id!r} is already in use.")
-            so.add_request(request)  # it enters the scheduler once its grammar is compiled
-            return
+            if so.add_request(request):  # compiling: it prefills meanwhile, up to the token it samples
+                request.awaiting_grammar = True
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str],
@@ -89,20 +89,25 @@ class EngineCore:
 
     # ------------------------------------------------------------------ structured outputs (small hooks)
     def _admit_grammar_requests(self) -> list[EngineCoreOutput]:
-        """Moves requests whose grammar compiled into the scheduler; those whose compile failed finish (abort).
-        With nothing else to run, waits a little for a compile instead of spinning."""
+        """Lets requests whose grammar compiled sample (``awaiting_grammar`` off); those whose compile failed
+        finish (abort)."""
         so = self.structured_output_manager
-        if not self.scheduler.has_unfinished_requests():
-            so.wait_pending(timeout=0.05)
         ready, failed = so.take_ready()
         for req in ready:
-            self.scheduler.add_request(req)
+            req.awaiting_grammar = False
         outs = []
-        for req, msg in failed:
-            logger.warning("request %s: %s", req.request_id, msg)
-            req.status = RequestStatus.FINISHED_ABORTED
-            outs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=msg))
+        if failed:
+            for req, msg in failed:
+                logger.warning("request %s: %s", req.request_id, msg)
+                outs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=msg))
+            self.scheduler.finish_requests([req.request_id for req, _ in failed], RequestStatus.FINISHED_ABORTED)
         return outs
+
+    def _idle_on_grammars(self) -> None:
+        """A step with nothing scheduled while grammars compile: wait a little for one instead of spinning."""
+        so = self.structured_output_manager
+        if so is not None and so.has_pending():
+            so.wait_pending(timeout=0.05)
 
     def _attach_grammar_bitmask(self, sched, overlap: bool = False) -> None:
         """Sets ``sched.grammar_bitmask``. ``overlap`` (in-process runner): a future filled in the manager's mask
@@ -143,6 +148,7 @@ class EngineCore:
         if hasattr(sched.grammar_bitmask, "result"):
             sched.grammar_bitmask.result()  # the fill is done before any matcher advances
         if sched.is_empty:
+            self._idle_on_grammars()
             return extra
         outputs = self.scheduler.update_from_output(sched, out)
         self._advance_grammars(outputs)
@@ -169,6 +175,7 @@ class EngineCore:
             if sched.is_empty:
                 if not q:  # nothing in flight: the empty step tells the workers which requests finished
                     self.executor.execute_model(sched)
+                    self._idle_on_grammars()
                     return extra
                 # Those ids go out with the next batch instead (the runner drops a finished request's state).
                 scheduler.finished_req_ids |= sched.finished_req_ids

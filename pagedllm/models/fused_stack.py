@@ -41,12 +41,14 @@ def _linear_kind(mod: Any) -> Optional[int]:
     """0: a ``PackedLinear`` on a packed-kernel backend; 1: an int4 ``QuantLinear`` the int4 GEMV takes as it is (no input
     permutation, no bias, bf16 scales, group % 4 == 0); None: another layer (the fused loop doesn't run)."""
     from pagedllm.layers.packed_linear import PackedLinear
+    from pagedllm.layers.quantization.kernels import INT4_OURS
     from pagedllm.layers.quantization.linear import QuantLinear
 
     if type(mod) is PackedLinear:
         return 0 if mod._amx is not None else None
     if (type(mod) is QuantLinear and mod.kind == "int4" and mod.perm is None and mod.bias is None
-            and mod.scales_and_zeros.dtype == torch.bfloat16 and mod._kernel_group % 4 == 0):
+            and mod.scales_and_zeros.dtype == torch.bfloat16 and mod._kernel_group % 4 == 0
+            and mod._int4_layout == INT4_OURS):
         return 1
     return None
 

@@ -2,10 +2,12 @@
 
 Life of a constrained request (``SamplingParams.structured_outputs`` set):
 1. ``EngineCore.add_request`` calls ``add_request``: the grammar compiles in a thread pool (``(kind, spec,
-   whitespace)`` is the cache key, so a schema compiles once); the request waits in the engine core's own
-   waiting-for-grammar list, not in the scheduler, so the batch never waits on a compile.
-2. ``take_ready`` hands back requests whose grammar is ready (each gets its own matcher) or failed (the engine
-   finishes those as aborted; the front end validated the spec, so this is rare).
+   whitespace)`` is the cache key, so a schema compiles once). The request enters the scheduler at once with
+   ``awaiting_grammar`` set: its prompt prefills (chunked prefill) up to, not including, the token whose logits it
+   samples, so the compile overlaps the prefill rather than adding to TTFT, and the batch never waits on it.
+2. ``take_ready`` (each step, before scheduling) hands back requests whose grammar is ready (each gets its own
+   matcher; the engine clears ``awaiting_grammar``) or failed (the engine finishes those as aborted; the front end
+   validated the spec, so this is rare).
 3. Each step ``grammar_bitmask`` fills one int32 bitmask ``[num_constrained_rows, ceil(V / 32)]`` for the
    scheduled constrained requests that sample this step; the model runner sets the disallowed logits to -inf before
    sampling (EOS is allowed only where the grammar may end).
@@ -124,8 +126,9 @@ class StructuredOutputManager:
         self.num_compiles += 1
         return self._backend_now().compile(*key)
 
-    def add_request(self, request) -> None:
-        """Starts compiling ``request``'s grammar (a cache hit is ready at once).
+    def add_request(self, request) -> bool:
+        """Starts compiling ``request``'s grammar (a cache hit is ready at once); it is handed over by the next
+        ``take_ready``. Returns True (the request must not sample before then).
 
         Raises:
             ValueError: if the request id is already waiting for a grammar.
@@ -142,6 +145,7 @@ class StructuredOutputManager:
         else:
             self._cache.move_to_end(key)
         self._pending[request.request_id] = (request, fut)
+        return True
 
     def has_pending(self) -> bool:
         return bool(self._pending)

@@ -36,8 +36,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# The CPU int4 pack lays 64 output rows side by side (byte j of a k-column holds rows j and j + 32 of the block);
-# padding N to a multiple of 64 keeps the layout simple to expand again (and the op needs N % 16 == 0 anyway).
+# Int4 pack layouts: a ``[N_pad, K / 2]`` uint8 pack holds, for each block of ``block_n`` output rows and each input
+# column k, ``block_n / 2`` bytes; "half": byte j holds rows j (low nibble) and j + block_n / 2 (high), "pairs":
+# rows 2j and 2j + 1. aten's ``_convert_weight_to_int4pack_for_cpu`` writes the one of its *runtime* CPU capability
+# (measured on torch 2.13: AVX512 -> (64, half), AVX2 -> (32, half), DEFAULT -> (32, pairs)), so a pack made by it
+# on one level reads as garbage on another (``ATEN_CPU_CAPABILITY=avx2``, i.e. our level avx2, or a Zen 2 machine).
+# Our C kernels read INT4_OURS, which we write ourselves; aten's op is used only on a pack of aten's own layout.
+INT4_LAYOUTS = {"avx512": (64, "half"), "avx2": (32, "half"), "default": (32, "pairs")}
+INT4_OURS = "avx512"
+# Padding N to a multiple of 64 fits every layout's block (and the op needs N % 16 == 0 anyway).
 INT4_BLOCK_N = 64
 INT4_KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 # Which int4 path runs a matmul of M activation rows (measured, 1 thread, bf16, SmolLM2 shapes; README):
@@ -127,11 +134,60 @@ def int4_kernel_supports(n_in: int, group_size: int) -> bool:
     return group_size % 32 == 0 and n_in % group_size == 0 and n_in % 32 == 0
 
 
+def int4_pack_codes(q: torch.Tensor, layout: str = INT4_OURS) -> torch.Tensor:
+    """Codes ``q [N_pad, K]`` (integers in [0, 15], N_pad a multiple of the layout's block) -> the uint8 pack
+    ``[N_pad, K / 2]`` of ``layout`` (see ``INT4_LAYOUTS``)."""
+    block_n, kind = INT4_LAYOUTS[layout]
+    n_pad, k = q.shape
+    qb = q.to(torch.uint8).view(n_pad // block_n, block_n, k)
+    if kind == "half":
+        lo, hi = qb[:, : block_n // 2], qb[:, block_n // 2:]
+    else:
+        lo, hi = qb[:, 0::2], qb[:, 1::2]
+    return (lo | (hi << 4)).transpose(1, 2).contiguous().view(n_pad, k // 2)  # [B, K, block_n / 2] bytes
+
+
+def int4_unpack_codes(packed: torch.Tensor, layout: str = INT4_OURS) -> torch.Tensor:
+    """The inverse of ``int4_pack_codes``: uint8 codes ``[N_pad, K]``."""
+    block_n, kind = INT4_LAYOUTS[layout]
+    n_pad, k = packed.shape[0], packed.shape[1] * 2
+    p = packed.view(n_pad // block_n, k, block_n // 2)
+    lo, hi = p & 0x0F, p >> 4
+    q = torch.cat([lo, hi], dim=2) if kind == "half" else torch.stack([lo, hi], dim=3).view(-1, k, block_n)
+    return q.transpose(1, 2).reshape(n_pad, k)
+
+
+_aten_layout: list = []
+
+
+def aten_int4_layout() -> Optional[str]:
+    """The layout aten's int4 pack writes in this process (its CPU capability is fixed at start), found once by
+    packing a probe; None for a layout we don't know (then aten's op is never used)."""
+    if not _aten_layout:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (INT4_BLOCK_N * 2, 64), generator=g, dtype=torch.int32)
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)
+        except Exception:  # noqa: BLE001 - no CPU int4 op in this build
+            packed = None
+        found = None
+        if packed is not None and packed.dtype == torch.uint8 and tuple(packed.shape) == (q.shape[0], 32):
+            found = next((name for name in INT4_LAYOUTS if torch.equal(int4_unpack_codes(packed, name).int(), q)),
+                         None)
+        _aten_layout.append(found)
+    return _aten_layout[0]
+
+
 class PackedInt4:
-    """An ``Int4Groups`` packed for ``aten._weight_int4pack_mm_for_cpu`` (tensors registered on a module)."""
+    """An ``Int4Groups`` packed for our C kernels (layout ``INT4_OURS``) or, where they don't run, for
+    ``aten._weight_int4pack_mm_for_cpu`` in aten's own layout (tensors registered on a module)."""
 
     @staticmethod
-    def pack(w: Int4Groups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def pack(w: Int4Groups, dtype: torch.dtype, layout: Optional[str] = None) -> dict:
+        """``layout``: default ours where our int4 kernels load at the active level, else aten's (ours if aten's is
+        unknown: then the matmuls expand the weight). The returned ``layout`` entry is a str; the rest tensors."""
+        from pagedllm.layers.quantization import cpu_kernels
+
         n, k = w.q.shape
         g = w.group_size
         kernel_g = next(kg for kg in INT4_KERNEL_GROUP_SIZES if g % kg == 0 and k % kg == 0)
@@ -143,27 +199,26 @@ class PackedInt4:
         if n_pad:
             q = F.pad(q, (0, 0, 0, n_pad), value=8)
             scale, zero = F.pad(scale, (0, 0, 0, n_pad)), F.pad(zero, (0, 0, 0, n_pad))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 8)  # [N_pad, K / 2] uint8
+        if layout is None:
+            layout = INT4_OURS if cpu_kernels.get_lib() is not None else (aten_int4_layout() or INT4_OURS)
+        packed = int4_pack_codes(q, layout)  # [N_pad, K / 2] uint8
         scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K / g, N_pad, 2]
         out = {"packed": packed, "scales_and_zeros": scales_and_zeros,
-               "kernel_group": torch.tensor(kernel_g), "n_out": torch.tensor(n)}
+               "kernel_group": torch.tensor(kernel_g), "n_out": torch.tensor(n), "layout": layout}
         if w.perm is not None:
             out["perm"] = w.perm.to(torch.int64)
         return out
 
     @staticmethod
-    def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-        """uint8 codes ``[N_pad, K]`` from the CPU pack: viewed as ``[N_pad / 64, K, 32]`` bytes, byte ``(b, k, j)``
-        holds row ``64 b + j`` in its low nibble and row ``64 b + 32 + j`` in its high one."""
-        n_pad, k = packed.shape[0], packed.shape[1] * 2
-        p = packed.view(n_pad // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
-        q = torch.stack([p & 0x0F, p >> 4], dim=2)  # [B, K, 2, 32]
-        return q.view(n_pad // INT4_BLOCK_N, k, INT4_BLOCK_N).transpose(1, 2).reshape(n_pad, k)
+    def unpack_codes(packed: torch.Tensor, layout: str = INT4_OURS) -> torch.Tensor:
+        """uint8 codes ``[N_pad, K]`` of a pack of ``layout``."""
+        return int4_unpack_codes(packed, layout)
 
     @staticmethod
-    def expand(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int, dtype: torch.dtype) -> torch.Tensor:
+    def expand(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int, dtype: torch.dtype,
+               layout: str = INT4_OURS) -> torch.Tensor:
         """The weight ``[N_pad, K]`` in ``dtype`` (same values the op uses, rounded once to ``dtype``)."""
-        q = PackedInt4.unpack_codes(packed)
+        q = int4_unpack_codes(packed, layout)
         n_pad, k = q.shape
         sz = scales_and_zeros.transpose(0, 1)  # [N_pad, K / g, 2]
         w = q.view(n_pad, k // kernel_g, kernel_g).to(dtype).sub_(8)
@@ -214,7 +269,7 @@ def current_step_rows() -> Optional[StepRows]:
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
-                n_out: int, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                n_out: int, out_dtype: Optional[torch.dtype] = None, layout: str = INT4_OURS) -> torch.Tensor:
     """``x [T, K] @ w.T -> [T, n_out]`` in ``out_dtype`` (default x's dtype; float32 for logits).
 
     Batch invariant (``KernelConfig.batch_invariant``, the default): each row's kernel depends on the row, never on
@@ -222,13 +277,22 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     the integer-dot kernel: decode rows (and rows of unknown kind, e.g. logits) on it, prefill rows
     (``step_rows``) on our C tile kernel (``int4_gemm``, float32 weights); otherwise ``int4_gemm`` for every row;
     level ``none``: aten's op (not guaranteed invariant). With invariance off the path is picked by T
-    (``INT4_GEMM_MIN_TOKENS``).
+    (``INT4_GEMM_MIN_TOKENS``). ``layout``: the pack's (``PackedInt4.pack``); our kernels read only ``INT4_OURS``,
+    aten's op only aten's own; a pack neither can read is expanded for a dense matmul.
     """
     from pagedllm import kernels
     from pagedllm.layers.quantization import cpu_kernels
 
     t = x.shape[0]
     out_dtype = out_dtype or x.dtype
+    if layout != INT4_OURS or cpu_kernels.get_lib() is None:
+        if out_dtype == torch.float32 and x.dtype != torch.float32:
+            x, scales_and_zeros = x.float(), scales_and_zeros.float()
+        if layout == aten_int4_layout() and t < DENSE_FALLBACK_MIN_TOKENS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_g, scales_and_zeros)
+        else:
+            y = F.linear(x, PackedInt4.expand(packed, scales_and_zeros, kernel_g, x.dtype, layout))
+        return y[:, :n_out].contiguous() if y.shape[1] != n_out else y
     invariant = kernels.config().batch_invariant
     if x.dtype == torch.bfloat16 and cpu_kernels.int4_gemv_supported() and (invariant or t <= INT4_GEMV_MAX_TOKENS):
         rows = getattr(_step, "rows", None) if invariant and out_dtype == x.dtype else None
@@ -247,14 +311,14 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     lib = cpu_kernels.get_lib() if x.dtype in (torch.bfloat16, torch.float32) else None
     if lib is not None and kernels.config().batch_invariant:
         return cpu_kernels.int4_gemm(x.contiguous(), packed, scales_and_zeros, kernel_g, n_out)
-    lib = lib if t >= INT4_GEMM_MIN_TOKENS else None
-    if t >= DENSE_FALLBACK_MIN_TOKENS:
+    aten_reads_ours = aten_int4_layout() == INT4_OURS  # aten's op (a few rows, invariance off) needs our layout
+    if t >= DENSE_FALLBACK_MIN_TOKENS or (lib is None and not aten_reads_ours):
         if lib is not None:
             w = cpu_kernels.int4_expand(packed, scales_and_zeros, kernel_g, x.dtype)
         else:
             w = PackedInt4.expand(packed, scales_and_zeros, kernel_g, x.dtype)
         y = F.linear(x, w)
-    elif lib is not None:
+    elif lib is not None and (t >= INT4_GEMM_MIN_TOKENS or not aten_reads_ours):
         return cpu_kernels.int4_gemm(x.contiguous(), packed, scales_and_zeros, kernel_g, n_out)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_g, scales_and_zeros)

@@ -100,6 +100,7 @@ class QuantLinear(nn.Module):
             self.kind = "int4"
             packed = PackedInt4.pack(Int4Groups.cat(parts), self.dtype)
             self._kernel_group, self._n_out = int(packed.pop("kernel_group")), int(packed.pop("n_out"))
+            self._int4_layout = packed.pop("layout")
             if "perm" not in packed:
                 self.perm = None
             for name, t in packed.items():
@@ -122,7 +123,7 @@ class QuantLinear(nn.Module):
         if self.kind == "kquant":
             return torch.cat([p.dequantize() for p in self._kq])
         if self.kind == "int4":
-            q = PackedInt4.unpack_codes(self.packed)[: self._n_out]
+            q = PackedInt4.unpack_codes(self.packed, self._int4_layout)[: self._n_out]
             sz = self.scales_and_zeros.float()[:, : self._n_out]  # [K / g, N, 2]
             w = Int4Groups(q, sz[..., 0].t(), sz[..., 1].t(), self._kernel_group, self.perm)
             return w.dequantize()
@@ -136,7 +137,8 @@ class QuantLinear(nn.Module):
         elif self.kind == "int4":
             if self.perm is not None:
                 x = x.index_select(-1, self.perm)
-            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out)
+            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out,
+                            layout=self._int4_layout)
         elif self.kind == "int8":
             y = int8_matmul(x, self.qweight, self.scale)
         else:
@@ -151,7 +153,8 @@ class QuantLinear(nn.Module):
         elif self.kind == "int4":
             if self.perm is not None:
                 x = x.index_select(-1, self.perm)
-            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out, torch.float32)
+            y = int4_matmul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out, torch.float32,
+                            self._int4_layout)
         elif self.kind == "int8":
             y = int8_matmul(x.float(), self.qweight, self.scale.float())
         else:
