@@ -1,14 +1,16 @@
 """GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights executed with the file's own values (``kernels/csrc/kquant_cpu.c``).
 
 A ``KQuantWeight`` holds either the file's bytes (``data [N, row_bytes]`` uint8, ggml blocks, a view of the
-memory-mapped GGUF) or, after ``tiled()`` (done once at load, in C, ~1 s for a 0.5B model), our tiled form: 16 output
+memory-mapped GGUF) or, after ``tiled()`` (done once at load, in C: 3 s for Qwen2.5-0.5B's 485 MB on one loaded
+core), our tiled form: 16 output
 rows interleaved per tile so that one 32-bit SIMD lane holds 4 consecutive codes of one row (the layout of
 ``vpdpbusd`` / ``vpmaddubsw`` against a broadcast word of activations). Every code, scale and min is the file's own
 (no requantization; ``dequantize`` gives gguf's values back); Q8_0 / Q5_0 / Q6_K tiles are the file's size, Q4_K /
 Q5_K's 6-bit scales are unpacked to bytes (+2.8 % / +2.3 %). The file's view is dropped once tiled, so resident
-weight memory is the tiled bytes. A decode GEMV streams each tile once, sequentially, 16 rows per instruction, with
-the block scales applied per group to one float32 accumulator per row (the epilogue). The kernel was the file's
-row layout walked along K before (3-4x the memory floor at decode); see ``kquant_cpu.c`` for the layout.
+weight memory is the tiled bytes (the mapped pages are dropped: ``file_backed``). A decode GEMV streams each tile
+once, sequentially (prefetching 4 KB ahead), 16 rows per instruction, with the block scales applied per group to one
+float32 accumulator per row (the epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
+along K before: 2.5-3x the memory floor at decode; now 1.15-1.6x, see the issue-20 report.)
 
 The activations are quantized per 32 inputs to 15 bits (``quantize_activations``); the u8 x s8 products are summed
 exactly in int32 and the block scales applied in float32.
@@ -17,8 +19,12 @@ Error: per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15,
 so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 arithmetic; ``tests/test_kquant.py`` checks it
 against ``gguf.quants.dequantize`` and a float64 matmul. Every M runs the same per-row arithmetic (batch
 invariance: a row's result does not depend on the other rows of the call, nor on the thread count), and every ISA
-(AVX512-VNNI, AVX-VNNI, AVX2, scalar) gives the same bits. Prefill runs the same kernel (up to 4 activation rows share
-each decoded group), so prefill and decode rows agree bit for bit too.
+(AVX512-VNNI, AVX-VNNI, AVX2, scalar) gives the same bits.
+
+Prefill rows (marked by the model runner, ``step_rows``) of bf16 layers go through ``kquant_prefill_bf16`` where the
+level has a packed bf16 GEMM and the kquant build is AVX-512: slabs of <= 2M weights dequantized to bf16 straight into
+the AMX / dpbf16 kernel's packed layout, multiplied, dropped (no full dequantized copy). Their weights are rounded once
+to bf16 (like a bf16 model's); the row kind, never the row count, picks the path (batch invariance).
 """
 
 from __future__ import annotations
