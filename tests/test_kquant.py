@@ -39,6 +39,17 @@ from pagedllm.model_loader.gguf_loader import read_gguf_header
 from real_models import smallest_tensor_per_type
 
 TYPES = sorted(KQUANT_TYPES, key=int)
+
+
+def _no_native_kernels() -> bool:
+    from pagedllm import kernels
+
+    return not kernels.config().native
+
+
+# At level none (or PAGEDLLM_CPU_KERNELS=0) no C library loads and GGUF K-quants take gguf.py's requantizations
+# (tests/test_quantization.py covers that path); everything here is the C kernel.
+pytestmark = pytest.mark.skipif(_no_native_kernels(), reason="no C kernels at this level (none)")
 _F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q5_0: (0,)}
 
 
