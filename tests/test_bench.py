@@ -206,7 +206,7 @@ def test_compare_offline_falls_back_when_interleaving_fails(tmp_path, monkeypatc
     ns = parser.parse_args(["--peers", "vllm"])
     ns.peers = ns.peers.split(",")
     monkeypatch.setattr(C.P, "vllm_python", lambda: "/x/python")
-    monkeypatch.setattr(C.P, "hf_export_dir", lambda: "/x/hf")
+    monkeypatch.setattr(C.P, "hf_export_dir", lambda *a: "/x/hf")
     paired, alone = [], []
 
     def fake_interleaved(engines, n, timeout):
@@ -354,10 +354,81 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     C.write_results_md(str(md), NS, runs, {"pagedllm": "pagedllm serve --port 1"}, {"cpu": "x", "cores": 2},
                        {"pagedllm": "0.1.0"}, "now", 60.0, str(tmp_path))
     text = md.read_text()
-    for part in ("## Ratios", "## Machine", "## Versions", "## Exact commands", "pagedllm serve --port 1",
-                 "## What did not run", "not installed (make bench-peers)", "**1.50x**",
+    for part in ("### Ratios", "### Machine", "### Versions", "### Exact commands", "pagedllm serve --port 1",
+                 "### What did not run", "not installed (make bench-peers)", "**1.50x**",
                  "median of 3 timed runs", "| pagedllm | 64 | 10.0 | 9.0, 10.0, 12.5 |"):
         assert part in text, part
+    # one section per CPU level and model: a run on another level adds its own and keeps this one
+    key = C.section_key({"cpu": "x", "cores": 2}, None)
+    assert text.count(f"<!-- section: {key} -->") == 1
+    C.write_results_md(str(md), NS, runs[:1], {}, {"cpu": "zen", "isa_level": "avx512_bf16"}, {}, "later", 1.0,
+                       str(tmp_path))
+    both = md.read_text()
+    assert both.startswith(C.RESULTS_TITLE) and both.count("<!-- section: ") == 2
+    assert both.count("| pagedllm | 64 | 10.0 | 9.0, 10.0, 12.5 |") == 2 and "ISA level avx512_bf16" in both
+    C.write_results_md(str(md), NS, runs, {}, {"cpu": "zen", "isa_level": "avx512_bf16"}, {}, "again", 1.0,
+                       str(tmp_path))  # the same level again: its section replaced, the other untouched
+    again = md.read_text()
+    assert again.count("<!-- section: ") == 2 and "on again" in again and "on later" not in again
+    assert again.split("<!-- end section: ")[0] == both.split("<!-- end section: ")[0]
+
+
+def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
+    """The structured section's rows (throughput vs vLLM, valid rate, cost of constraining, what a new schema adds to
+    TTFT), and --model: ours and llama.cpp get the GGUF, vLLM its bf16 export, bench serve its tokenizer."""
+    lv = _level
+    st = dict(lv(300.0, 100.0, 10.0, 10.0), valid_output_rate=1.0, median_ttft_ms_new_schema=130.0,
+              median_ttft_ms_seen_schema=100.0)
+    vst = dict(lv(200.0, 100.0, 10.0, 10.0), valid_output_rate=0.75, median_ttft_ms_new_schema=400.0,
+               median_ttft_ms_seen_schema=100.0)
+    runs = [C.Run("structured", "pagedllm", "x", True, {"levels": [st]}),
+            C.Run("unconstrained", "pagedllm", "x", True, {"levels": [lv(320.0, 90.0, 10.0, 10.0)]}),
+            C.Run("structured", "vllm", "x", True, {"levels": [vst]}),
+            C.Run("unconstrained", "vllm", "x", True, {"levels": [lv(250.0, 90.0, 10.0, 10.0)]})]
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    assert C.ratio(rows["structured json-schema: output tok/s"], "vllm") == pytest.approx(1.5)
+    assert rows["structured json-schema: valid outputs %"].ours == pytest.approx(100.0)
+    assert rows["structured json-schema: valid outputs %"].peers["vllm"] == pytest.approx(75.0)
+    assert rows["structured: constrained / unconstrained tok/s %"].ours == pytest.approx(93.75)
+    assert rows["structured: new-schema TTFT - seen-schema TTFT ms (median)"].ours == pytest.approx(30.0)
+    assert C.ratio(rows["structured: new-schema TTFT - seen-schema TTFT ms (median)"], "vllm") == pytest.approx(10.0)
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    C.add_compare_args(parser)
+    ns = parser.parse_args(["--peers", "vllm,llamacpp", "--model", "qwen2.5-0.5b", "--sections", "serve,structured"])
+    ns.peers = ns.peers.split(",")
+    ns.gguf = "/models/qwen.gguf"
+    assert C.P.hf_export_name(ns.gguf) == "qwen-hf-bf16"
+    started, benches = [], []
+
+    class FakeServer:
+        base_url = "http://127.0.0.1:1"
+        start_seconds = 0.0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(C.P, "vllm_bin", lambda: "/x/vllm")
+    monkeypatch.setattr(C.P, "llama_server_bin", lambda: "/x/llama-server")
+    monkeypatch.setattr(C.P, "hf_export_dir", lambda gguf=None: "/x/qwen-hf" if gguf == ns.gguf else None)
+    monkeypatch.setattr(C.P, "vllm_env", lambda: {})
+    monkeypatch.setattr(C.P, "start_server", lambda name, cmd, *a, **k: started.append(cmd) or FakeServer())
+    monkeypatch.setattr(C, "_run_json", lambda section, eng, cmd, *a, **k: benches.append((section, eng, cmd))
+                        or C.Run(section, eng, "y", ok=True))
+    runs = []
+    C.run_serving(ns, str(tmp_path), runs, {}, structured=True, serve=True)
+    ours, vllm, llama = (next(c for c in started if k in " ".join(c)) for k in ("pagedllm", "/x/vllm", "llama"))
+    assert "/models/qwen.gguf" in ours and "/x/qwen-hf" in vllm and "/models/qwen.gguf" in llama
+    sections = {(s, e) for s, e, _ in benches}
+    assert {("structured", "pagedllm"), ("unconstrained", "pagedllm"), ("structured", "vllm"),
+            ("unconstrained", "vllm")} <= sections
+    assert ("structured", "llamacpp") not in sections and ("serve", "llamacpp") in sections
+    for s, e, cmd in benches:
+        assert cmd[cmd.index("--tokenizer") + 1] == "/models/qwen.gguf"
+        if s == "structured":
+            assert cmd[cmd.index("--structured-output-ratio") + 1] == "1" and "--fresh-schemas" in cmd
 
 
 def test_compare_render_only(tmp_path, capsys):
@@ -375,3 +446,25 @@ def test_compare_render_only(tmp_path, capsys):
     text = md.read_text()
     assert "pagedllm bench compare --peers vllm" in text
     assert "pagedllm bench throughput --backend vllm" in text
+
+
+def test_offline_floor_and_floor_table():
+    """The offline floor is the prompts' FLOPs at the GEMM peak plus one weight read per output position of the
+    longest request (or the output FLOPs, if longer); the table gives ours as a share of each floor's speed."""
+    from pagedllm.benchmarks.floor import num_matmul_params, offline_floor_s
+
+    shapes = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "layers": 2, "vocab": 100}
+    params = num_matmul_params(shapes)
+    assert params == 2 * ((4 + 4) * 16 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128) + 100 * 64
+    limits = {"gemm_peak_gflops": 100.0, "mem_read_gb_per_s": 10.0, "torch_threads": 2}
+    wl = {"total_input_tokens": 1000, "total_output_tokens": 500, "output_len_max": 50}
+    got = offline_floor_s(wl, shapes, limits, weight_bytes=1e6)
+    assert got == pytest.approx(2 * params * 1000 / 1e11 + max(50 * 1e6 / 1e10, 2 * params * 500 / 1e11))
+    runs = [C.Run("offline", "pagedllm", "x", True, dict(_offline(1.0, 1.0), elapsed_time=2 * got, workload=wl)),
+            C.Run("single", "pagedllm", "x", True, {"levels": [_level(1.0, 1.0, 1.0, 4.0)]}),
+            C.Run("floor", "matmul", "x", True, {"floor": [{"batch_size": 1, "weight_bytes": 1e6, "roofline_ms": 1.0,
+                                                            "step_ms_median": 2.0}], "shapes": shapes,
+                                                 "limits": limits})]
+    table = C.floor_table(runs)
+    assert "| offline mixed: elapsed (bf16) |" in table and "| 50% |" in table
+    assert "| single stream bf16: decode tok/s | 250.0 tok/s | 1,000.0 tok/s | 25% |" in table

