@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.benchmarks.datasets import BenchRequest, load_json_schemas
 from pagedllm.benchmarks.serve import RequestResult, _request_body, compute_metrics, mark_structured
 
@@ -68,6 +70,8 @@ def test_ttft_split_by_new_seen_and_unconstrained_schema():
     assert (m["num_new_schema"], m["num_seen_schema"], m["num_unconstrained"]) == (2, 2, 1)
     assert abs(m["median_ttft_ms_new_schema"] - 400.0) < 1e-6 and abs(m["median_ttft_ms_seen_schema"] - 110.0) < 1e-6
     assert abs(m["median_ttft_ms_unconstrained"] - 50.0) < 1e-6
+    assert m["request_kinds"] == ["new_schema", "seen_schema", "new_schema", "seen_schema", "unconstrained"]
+    assert m["request_ttfts_ms"] == pytest.approx([300.0, 100.0, 500.0, 120.0, 50.0])
 
 
 def test_fresh_tag_changes_the_schema_text_not_its_meaning():

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -445,11 +446,17 @@ def build_rows(runs: list[Run]) -> list[Row]:
                     {"vllm": cost("vllm")}, ">= 90% (ours)"))
 
     def new_schema_cost(eng):
-        a, b = srv("structured", eng, "median_ttft_ms_new_schema"), srv("structured", eng, "median_ttft_ms_seen_schema")
-        return a - b if a is not None and b is not None and a == a and b == b else None
+        """Median over the requests whose schema is new to the server of (their TTFT constrained - the same request's
+        TTFT in the unconstrained run): same arrival position, so the burst at the start counts alike in both."""
+        c, u = _level(_get(runs, "structured", eng)), _level(_get(runs, "unconstrained", eng))
+        if not c or not u or "request_kinds" not in c or "request_ttfts_ms" not in u:
+            return None
+        d = [a - b for k, a, b in zip(c["request_kinds"], c["request_ttfts_ms"], u["request_ttfts_ms"])
+             if k == "new_schema" and a is not None and b is not None]
+        return statistics.median(d) if d else None
 
-    rows.append(Row("structured: new-schema TTFT - seen-schema TTFT ms (median)", False, new_schema_cost("pagedllm"),
-                    {"vllm": new_schema_cost("vllm")}, "<= 50 ms (ours)"))
+    rows.append(Row("structured: a new schema's TTFT over the same request unconstrained, ms (median)", False,
+                    new_schema_cost("pagedllm"), {"vllm": new_schema_cost("vllm")}, "<= 50 ms (ours)"))
     return rows
 
 

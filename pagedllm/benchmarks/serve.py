@@ -242,16 +242,23 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
         # miss when the server is fresh or --fresh-schemas is on), reuse one, or nothing (unconstrained).
         seen: set[str] = set()
         split: dict[str, list[float]] = {"new_schema": [], "seen_schema": [], "unconstrained": []}
-        for r in sorted(ok, key=lambda r: r.start_time):
+        kinds: dict[int, str] = {}
+        for i in sorted(range(len(results)), key=lambda i: results[i].start_time):
+            r = results[i]
             if r.schema is None:
-                split["unconstrained"].append(r.ttft)
-                continue
-            key = json.dumps(r.schema, sort_keys=True)
-            split["seen_schema" if key in seen else "new_schema"].append(r.ttft)
-            seen.add(key)
+                kinds[i] = "unconstrained"
+            else:
+                key = json.dumps(r.schema, sort_keys=True)
+                kinds[i] = "seen_schema" if key in seen else "new_schema"
+                seen.add(key)
+            if r.success:
+                split[kinds[i]].append(r.ttft)
         for kind, xs in split.items():
             m[f"num_{kind}"] = len(xs)
             m[f"median_ttft_ms_{kind}"] = statistics.median(xs) * 1000.0 if xs else float("nan")
+        # per request, in request order, to compare with the same requests run unconstrained (bench compare)
+        m["request_kinds"] = [kinds[i] for i in range(len(results))]
+    m["request_ttfts_ms"] = [r.ttft * 1000.0 if r.success else None for r in results]
     m["errors"] = sorted({r.error for r in results if not r.success})[:10]
     m["input_lens"] = [r.prompt_len for r in ok]
     m["output_lens"] = [r.output_tokens for r in ok]
