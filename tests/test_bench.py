@@ -433,6 +433,8 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
         assert cmd[cmd.index("--tokenizer") + 1] == "/models/qwen.gguf"
         if s == "structured":
             assert cmd[cmd.index("--structured-output-ratio") + 1] == "1" and "--fresh-schemas" in cmd
+        if s == "unconstrained":  # the same requests at the lengths the constrained run's answers took
+            assert cmd[cmd.index("--output-lens-from") + 1].endswith(f"structured-{e}.json") and "--ignore-eos" in cmd
 
 
 def test_compare_render_only(tmp_path, capsys):

@@ -84,3 +84,15 @@ def test_fresh_tag_changes_the_schema_text_not_its_meaning():
         assert c != r.extra["schema"] and c["$comment"] == "bench run-7"
         assert {k: v for k, v in c.items() if k != "$comment"} == r.extra["schema"]
         jsonschema.Draft202012Validator.check_schema(c)
+
+
+def test_output_lens_from_an_earlier_result(tmp_path):
+    from pagedllm.benchmarks.serve import apply_output_lens
+
+    reqs = _reqs(3)
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"levels": [{"request_output_tokens": [7, None, 12]}]}))
+    apply_output_lens(reqs, str(f))
+    assert [r.output_len for r in reqs] == [7, 64, 12]  # a request that failed there keeps its own
+    with pytest.raises(ValueError, match="request_output_tokens"):
+        apply_output_lens(_reqs(4), str(f))

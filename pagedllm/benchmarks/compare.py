@@ -15,7 +15,9 @@ Sections (each bounded by a timeout; a peer that is missing or fails is reported
    ``--serve-concurrency`` clients through chat completions: every request constrained to its schema
    (``response_format`` json_schema, strict; ``--fresh-schemas``, so each schema's first request is a grammar cache
    miss), then the same requests unconstrained: the valid-output rate, the cost of constraining (decode speed,
-   1/TPOT, constrained over unconstrained: constrained answers are shorter, so tok/s would mix in prefill) and what a new schema adds to its own TTFT.
+   1/TPOT, constrained over unconstrained; the unconstrained run is forced to the lengths the constrained answers
+   took, so both decode the same tokens) and what a new schema adds to its own TTFT (against the same request
+   unconstrained).
 4. ``engine`` — ours only: ``bench latency`` at batch 1 and 32 (decode step time) and ``bench floor`` (the bare
    matmul time of one decode step at the same batch sizes).
 
@@ -344,11 +346,19 @@ STRUCTURED_ENGINES = ("pagedllm", "vllm")  # llama.cpp's server takes GBNF/json_
 
 
 def _structured_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run]) -> None:
+    """The constrained run, then the same requests unconstrained at the lengths their constrained answers took
+    (``--output-lens-from``, ``--ignore-eos``), so both runs decode the same number of tokens per request."""
+    constrained = os.path.join(out_dir, f"structured-{eng}.json")
     for section, ratio in (("structured", "1"), ("unconstrained", "0")):
         out = os.path.join(out_dir, f"{section}-{eng}.json")
+        lengths = (["--output-lens-from", constrained, "--ignore-eos"] if section == "unconstrained"
+                   else ["--fresh-schemas", "--no-ignore-eos"])
+        if section == "unconstrained" and not (runs and runs[-1].ok and runs[-1].section == "structured"):
+            runs.append(Run(section, eng, "", error="the constrained run before it failed"))
+            continue
         cmd = _cli("serve", "--base-url", server.base_url, "--backend", "openai-chat", "--dataset-name", "json-schema",
                    "--num-prompts", str(ns.structured_num_prompts), "--max-concurrency", str(ns.serve_concurrency),
-                   "--structured-output-ratio", ratio, "--fresh-schemas", "--no-ignore-eos", "--seed", "0",
+                   "--structured-output-ratio", ratio, *lengths, "--seed", "0",
                    "--label", PEER_NAMES[eng], "--result-file", out, "--no-plot", *_tokenizer_args(ns))
         runs.append(_run_json(section, eng, cmd, out, ns.timeout, os.path.join(out_dir, f"{section}-{eng}.log")))
 
