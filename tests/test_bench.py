@@ -377,21 +377,25 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
     """The structured section's rows (throughput vs vLLM, valid rate, cost of constraining, what a new schema adds to
     TTFT), and --model: ours and llama.cpp get the GGUF, vLLM its bf16 export, bench serve its tokenizer."""
     lv = _level
-    st = dict(lv(300.0, 100.0, 10.0, 10.0), valid_output_rate=1.0, median_ttft_ms_new_schema=130.0,
-              median_ttft_ms_seen_schema=100.0)
-    vst = dict(lv(200.0, 100.0, 10.0, 10.0), valid_output_rate=0.75, median_ttft_ms_new_schema=400.0,
-               median_ttft_ms_seen_schema=100.0)
+    kinds = ["new_schema", "new_schema", "seen_schema", "new_schema"]
+    st = dict(lv(300.0, 100.0, 10.0, 10.0), valid_output_rate=1.0, request_kinds=kinds,
+              request_ttfts_ms=[130.0, 500.0, 90.0, 120.0])
+    vst = dict(lv(200.0, 100.0, 10.0, 10.0), valid_output_rate=0.75, request_kinds=kinds,
+               request_ttfts_ms=[400.0, 700.0, 100.0, None])
+    un = dict(lv(320.0, 90.0, 10.0, 9.0), request_ttfts_ms=[100.0, 480.0, 80.0, 100.0])
+    vun = dict(lv(250.0, 90.0, 10.0, 10.0), request_ttfts_ms=[100.0, 500.0, 100.0, 100.0])
     runs = [C.Run("structured", "pagedllm", "x", True, {"levels": [st]}),
-            C.Run("unconstrained", "pagedllm", "x", True, {"levels": [lv(320.0, 90.0, 10.0, 10.0)]}),
+            C.Run("unconstrained", "pagedllm", "x", True, {"levels": [un]}),
             C.Run("structured", "vllm", "x", True, {"levels": [vst]}),
-            C.Run("unconstrained", "vllm", "x", True, {"levels": [lv(250.0, 90.0, 10.0, 10.0)]})]
+            C.Run("unconstrained", "vllm", "x", True, {"levels": [vun]})]
     rows = {r.metric: r for r in C.build_rows(runs)}
     assert C.ratio(rows["structured json-schema: output tok/s"], "vllm") == pytest.approx(1.5)
     assert rows["structured json-schema: valid outputs %"].ours == pytest.approx(100.0)
     assert rows["structured json-schema: valid outputs %"].peers["vllm"] == pytest.approx(75.0)
-    assert rows["structured: constrained / unconstrained tok/s %"].ours == pytest.approx(93.75)
-    assert rows["structured: new-schema TTFT - seen-schema TTFT ms (median)"].ours == pytest.approx(30.0)
-    assert C.ratio(rows["structured: new-schema TTFT - seen-schema TTFT ms (median)"], "vllm") == pytest.approx(10.0)
+    assert rows["structured: decode speed constrained / unconstrained % (1/TPOT)"].ours == pytest.approx(90.0)
+    row = rows["structured: a new schema's TTFT over the same request unconstrained, ms (median)"]
+    assert row.ours == pytest.approx(20.0)  # median of 30, 20, 20 (the seen-schema request is left out)
+    assert row.peers["vllm"] == pytest.approx(250.0)  # median of 300, 200 (a failed request is left out)
 
     import argparse
 
@@ -429,6 +433,8 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
         assert cmd[cmd.index("--tokenizer") + 1] == "/models/qwen.gguf"
         if s == "structured":
             assert cmd[cmd.index("--structured-output-ratio") + 1] == "1" and "--fresh-schemas" in cmd
+        if s == "unconstrained":  # the same requests at the lengths the constrained run's answers took
+            assert cmd[cmd.index("--output-lens-from") + 1].endswith(f"structured-{e}.json") and "--ignore-eos" in cmd
 
 
 def test_compare_render_only(tmp_path, capsys):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.benchmarks.datasets import BenchRequest, load_json_schemas
 from pagedllm.benchmarks.serve import RequestResult, _request_body, compute_metrics, mark_structured
 
@@ -68,6 +70,8 @@ def test_ttft_split_by_new_seen_and_unconstrained_schema():
     assert (m["num_new_schema"], m["num_seen_schema"], m["num_unconstrained"]) == (2, 2, 1)
     assert abs(m["median_ttft_ms_new_schema"] - 400.0) < 1e-6 and abs(m["median_ttft_ms_seen_schema"] - 110.0) < 1e-6
     assert abs(m["median_ttft_ms_unconstrained"] - 50.0) < 1e-6
+    assert m["request_kinds"] == ["new_schema", "seen_schema", "new_schema", "seen_schema", "unconstrained"]
+    assert m["request_ttfts_ms"] == pytest.approx([300.0, 100.0, 500.0, 120.0, 50.0])
 
 
 def test_fresh_tag_changes_the_schema_text_not_its_meaning():
@@ -80,3 +84,15 @@ def test_fresh_tag_changes_the_schema_text_not_its_meaning():
         assert c != r.extra["schema"] and c["$comment"] == "bench run-7"
         assert {k: v for k, v in c.items() if k != "$comment"} == r.extra["schema"]
         jsonschema.Draft202012Validator.check_schema(c)
+
+
+def test_output_lens_from_an_earlier_result(tmp_path):
+    from pagedllm.benchmarks.serve import apply_output_lens
+
+    reqs = _reqs(3)
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"levels": [{"request_output_tokens": [7, None, 12]}]}))
+    apply_output_lens(reqs, str(f))
+    assert [r.output_len for r in reqs] == [7, 64, 12]  # a request that failed there keeps its own
+    with pytest.raises(ValueError, match="request_output_tokens"):
+        apply_output_lens(_reqs(4), str(f))

@@ -223,6 +223,12 @@ LEVEL_SUITE = [
     "tests/test_quantization.py::test_int4_pack_layouts_round_trip_and_aten_writes_its_own",
     "tests/test_quantization.py::test_int4_pack_of_aten_layout_computes_like_ours",
     "tests/test_quantization.py::test_smollm2_int4_chat_answers_paris",
+    # GGUF K-quants: the tiled integer kernel (bound, batch invariance) and the prefill path per level (issue 20)
+    "tests/test_kquant.py::test_matmul_within_activation_rounding_bound",
+    "tests/test_kquant.py::test_batch_invariance",
+    "tests/test_kquant.py::test_tiled_layout_holds_the_files_values",
+    "tests/test_kquant.py::test_prefill_tiles_in_bf16_equal_dequantized_bf16_matmul",
+    "tests/test_kquant.py::test_step_rows_give_each_row_its_kernel",
     *(f"tests/test_models.py::test_batched_decode_and_prefill_match_hf[{name}]"
       for name in ("llama-tied-bias", "mistral-sliding", "qwen3-qk-norm", "gemma3", "deepseek-v2")),
 ]

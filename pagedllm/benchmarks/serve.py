@@ -242,16 +242,24 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
         # miss when the server is fresh or --fresh-schemas is on), reuse one, or nothing (unconstrained).
         seen: set[str] = set()
         split: dict[str, list[float]] = {"new_schema": [], "seen_schema": [], "unconstrained": []}
-        for r in sorted(ok, key=lambda r: r.start_time):
+        kinds: dict[int, str] = {}
+        for i in sorted(range(len(results)), key=lambda i: results[i].start_time):
+            r = results[i]
             if r.schema is None:
-                split["unconstrained"].append(r.ttft)
-                continue
-            key = json.dumps(r.schema, sort_keys=True)
-            split["seen_schema" if key in seen else "new_schema"].append(r.ttft)
-            seen.add(key)
+                kinds[i] = "unconstrained"
+            else:
+                key = json.dumps(r.schema, sort_keys=True)
+                kinds[i] = "seen_schema" if key in seen else "new_schema"
+                seen.add(key)
+            if r.success:
+                split[kinds[i]].append(r.ttft)
         for kind, xs in split.items():
             m[f"num_{kind}"] = len(xs)
             m[f"median_ttft_ms_{kind}"] = statistics.median(xs) * 1000.0 if xs else float("nan")
+        # per request, in request order, to compare with the same requests run unconstrained (bench compare)
+        m["request_kinds"] = [kinds[i] for i in range(len(results))]
+    m["request_ttfts_ms"] = [r.ttft * 1000.0 if r.success else None for r in results]
+    m["request_output_tokens"] = [r.output_tokens if r.success else None for r in results]
     m["errors"] = sorted({r.error for r in results if not r.success})[:10]
     m["input_lens"] = [r.prompt_len for r in ok]
     m["output_lens"] = [r.output_tokens for r in ok]
@@ -440,6 +448,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-output-ratio", type=float, default=1.0,
                    help="json-schema workload: share of requests constrained to their schema (response_format "
                         "json_schema on chat, structured_outputs on completions); the valid-output rate is reported.")
+    p.add_argument("--output-lens-from", default=None, metavar="RESULT_JSON",
+                   help="Give request i the output length request i had in an earlier result file of the same "
+                        "workload and seed (its first level's request_output_tokens; use with --ignore-eos): e.g. "
+                        "the same requests unconstrained at the lengths their constrained answers took.")
     p.add_argument("--fresh-schemas", action="store_true",
                    help="json-schema workload: tag this run's schemas (a $comment) so the server compiles each "
                         "anew; the table's 'new schema' TTFT is then the cost of a grammar cache miss.")
@@ -454,6 +466,22 @@ async def _first_model(base_url: str, api_key: Optional[str]) -> str:
         async with s.get(base_url + "/v1/models", headers=headers) as r:
             r.raise_for_status()
             return (await r.json())["data"][0]["id"]
+
+
+def apply_output_lens(reqs: list[BenchRequest], result_json: str) -> None:
+    """Sets each request's ``output_len`` from ``result_json``'s first level (``request_output_tokens``; a request
+    that failed there keeps its own).
+
+    Raises:
+        ValueError: the file has no per-request lengths, or another number of requests.
+    """
+    with open(result_json) as f:
+        lens = json.load(f)["levels"][0].get("request_output_tokens")
+    if lens is None or len(lens) != len(reqs):
+        raise ValueError(f"{result_json}: no request_output_tokens for {len(reqs)} requests")
+    for r, n in zip(reqs, lens):
+        if n:
+            r.output_len = int(n)
 
 
 def mark_structured(reqs: list[BenchRequest], ratio: float, seed: int, fresh_tag: Optional[str] = None) -> int:
@@ -482,6 +510,8 @@ def run_serve_benchmark(ns: argparse.Namespace) -> dict:
     num_prompts = ns.num_prompts or 64
     tok = load_tokenizer(ns.tokenizer)
     reqs = requests_from_args(ns, tok, num_prompts)
+    if ns.output_lens_from:
+        apply_output_lens(reqs, ns.output_lens_from)
     mark_structured(reqs, ns.structured_output_ratio, ns.seed,
                     fresh_tag=f"{os.getpid()}-{time.time_ns()}" if ns.fresh_schemas else None)
     model = ns.model or asyncio.run(_first_model(base_url, ns.api_key))

@@ -73,9 +73,13 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
     # -ffp-contract=off: the scalar path's float operations stay as written (it mirrors the vector lanes)
     Library("kquant", ("kquant_cpu.c",), ("amx", "avx512_bf16", "avx2"), {
         "kq_isa": Fn((), I32),
+        "kq_packed_bytes": Fn((I32, I64, I64), I64),
+        "kq_pack": Fn((I32, P, I64, I64, I64, P), I32),
+        "kq_release_file_pages": Fn((P, I64), I32),
         "kq_quantize_act": Fn((P, I64, I64, I32, P, P, P, P, P)),
-        "kq_matmul": Fn((I32, P, I64, I64, I64, P, P, P, P, P, I64, P, I64, I32), I32),
+        "kq_matmul": Fn((I32, P, I64, I64, P, P, P, P, P, I64, P, I64, I32), I32),
         "kq_dequant_rows": Fn((I32, P, I64, I64, P, I64, P, I32), I32),
+        "kq_dequant_packed_bf16": Fn((I32, P, I64, I64, I64, I64, I32, P), I32),
     }, ("-O3", "-fopenmp", "-ffp-contract=off")),
     Library("stack", ("llama_stack.c",), ("amx", "avx512_bf16", "avx2"), {
         "stack_forward": Fn((P, P)),  # (const struct stack_model *, const struct stack_step *)

@@ -320,7 +320,7 @@ def iterate_gguf_weights(
                 continue
             if keep_quantized and len(info.shape) == 2 and info.ggml_type not in UNQUANTIZED_TYPES:
                 data = torch.from_numpy(raw[info.offset : info.offset + info.nbytes]).view(info.shape[0], -1)
-                tensor = GGUFWeight(info.ggml_type, info.shape, data)
+                tensor = GGUFWeight(info.ggml_type, info.shape, data, file_backed=True)
             elif norm_plus_one and info.name.endswith("norm.weight"):
                 tensor = (_to_torch(raw[info.offset : info.offset + info.nbytes], info, torch.float32) - 1).to(dtype)
             else:

@@ -1,33 +1,44 @@
-/* GGUF K-quant / legacy-quant matmuls over the file's own blocks (no requantization).
+/* GGUF K-quant / legacy-quant matmuls over the file's own values, in a row-interleaved layout of ours.
  *
- * Weights: W [N][row_bytes] uint8, each row the ggml blocks of K inputs exactly as stored in the GGUF file
- * (block layouts as in the gguf package's quants.py, the reference for every value computed here):
+ * The file's blocks (the gguf package's quants.py is the reference for every value computed here):
  *   Q8_0 (type 8,  34 B / 32):  f16 d | int8 q[32]                          w = d q
  *   Q5_0 (type 6,  22 B / 32):  f16 d | u32 qh | u8 qs[16]                  w = d (q - 16), q = nibble | bit << 4
  *   Q4_K (type 12, 144 B / 256): f16 d | f16 dmin | u8 scales[12] | qs[128]  w = d sc_j q - dmin m_j (8 x 32)
  *   Q5_K (type 13, 176 B / 256): as Q4_K with qh[32] before qs: bit j of qh[i] is bit 4 of group j's element i
  *   Q6_K (type 14, 210 B / 256): ql[128] | qh[64] | int8 sc[16] | f16 d     w = d sc_i (q - 32) (16 x 16)
- * The blocks are decoded in registers; every dequantized weight value the kernel uses equals gguf's float32 one
- * (d sc, d q, dmin m are exact products; the only rounding in gguf's value, d sc q - dmin m, is not taken here:
- * the two terms are summed separately against the activations).
+ *
+ * Tiled layout (kq_pack, once at load): 16 output rows per tile, tiles one after the other, each tile's
+ * (super-)blocks in K order. Within a tile's block, the codes of a group of 32 inputs are "chunk vectors" of 64 bytes:
+ * byte 4 r + e of chunk c is row r's code of input 4 c + e (r < 16, e < 4), i.e. one 32-bit lane per row holding
+ * 4 consecutive inputs: the layout of vpdpbusd / vpmaddubsw against one broadcast 32-bit word of activations.
+ * Per group: 4-bit codes as 4 vectors (low nibble: chunk v, high nibble: chunk v + 4), Q5's fifth bits as one
+ * vector (bit c of byte 4 r + e: chunk c), Q6_K's two high bits as two vectors (chunk 4 h + c' in vector h, bits
+ * 2 c', 2 c' + 1), Q8_0's int8 codes as 8 vectors. Per block: the f16 d (and dmin) of the 16 rows side by side,
+ * Q4_K / Q5_K's 6-bit scales and mins unpacked to one byte each ([8 groups][16 rows]: 4 bytes more per 144 / 176,
+ * +2.8 % / +2.3 %), Q6_K's int8 scales as [16][16 rows]. Q8_0, Q5_0, Q6_K tiles are exactly the file's size.
+ * Every code, scale and min is the file's own (a bijection of its bits; kq_dequant_rows gives gguf's values back).
+ * A decode GEMV thus streams each tile once, sequentially, and computes 16 rows per instruction.
  *
  * Activations (kq_quantize_act): per row and block of 32 inputs, xs = max|x| / 16256 and xq = rint(x / xs),
  * |xq| <= 16256 = 127 * 128, split xq = 128 hi + lo (hi in [-127, 127], lo in [0, 127], both int8) so each
  * u8 x s8 dot product (vpdpbusd on AVX512-VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2) is exact in int32.
  * Rounding error: |x - xs xq| <= 0.504 xs = max|x| / 32256 per element (about 2^-15 of the block's largest |x|),
- * the only approximation besides float32 accumulation; it is far below a bf16 rounding (2^-9).
+ * the only approximation besides float32 arithmetic; it is far below a bf16 rounding (2^-9).
  *
- * Per group of 32: the 8 int32 lanes of sum(c * xq) (c: the u8 codes) are converted to float and FMA-ed into
- * 8 float32 accumulators with the group's scale (A xs); offsets / mins (w = A c + B) enter through the
- * activations' block sums: B * xs * sum(xq). A row's result is computed with the same operations in the same
- * order whatever M is and whichever other rows share the call (batch invariance), and the scalar path mirrors
- * the vector lanes operation for operation, so every ISA gives the same bits.
+ * Per row and group of 32 (Q6_K: of 16) inputs the exact int32 dot of codes and xq, minus the integer offset
+ * (Q5_0: 16, Q6_K: 32, Q8_0 on VNNI: the 128 that makes its codes unsigned) times the exact int sum of xq, is
+ * converted to float and FMA-ed into one float32 accumulator per row with the group's scale times xs
+ * ((d sc) xs); Q4_K / Q5_K mins enter through a second accumulator, fma(dmin m, xs sum(xq), .), subtracted at the
+ * end. Every path (AVX512-VNNI, AVX-VNNI, AVX2, scalar) runs these float operations in this order (the integer
+ * parts are exact), and a row's result never depends on M, on the other rows of the call or on the thread count.
  *
- * Plain C ABI, no globals; built with OpenMP (threads over output rows).
+ * Plain C ABI, no globals; built with OpenMP (threads over tiles) and -ffp-contract=off.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "pagedllm_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
@@ -40,36 +51,27 @@
 #define KQ_Q5_K 13
 #define KQ_Q6_K 14
 #define KQ_XMAX 16256.0f /* 127 * 128 */
+#define KQ_R 16          /* rows per tile */
+#ifndef KQ_PREFETCH
+/* bytes ahead of the group being multiplied that the GEMV prefetches (measured, one thread streaming 40-90 MB
+ * weights from DRAM: no prefetch 5-7 GB/s, 4 KB ahead 8-9.5 GB/s against a 9-11 GB/s plain read) */
+#define KQ_PREFETCH 4096
+#endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KQ_ISA 3
-#define KQ_SIMD 1
-#define kq_dp(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #elif defined(__AVXVNNI__)
 #define KQ_ISA 2
-#define KQ_SIMD 1
-#define kq_dp(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KQ_ISA 1
-#define KQ_SIMD 1
-/* u8 x s8 pairs in int16 do not saturate: |u| <= 128 and |s| <= 127 for every caller (2 * 128 * 127 < 2^15) */
-static inline __m256i kq_dp(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
 #else
 #define KQ_ISA 0
-#define KQ_SIMD 0
 #endif
 
 /* Which code path this build runs: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 scalar. */
 int kq_isa(void) { return KQ_ISA; }
 
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#endif
+static inline float f16_bits_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
     if (exp == 0) {
@@ -91,6 +93,12 @@ static inline float f16_to_f32(const uint8_t *p) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_bits_to_f32(h);
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -119,13 +127,38 @@ static inline void kq_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
+/* ---- layout constants ----------------------------------------------------------------------------------------- */
+
+static inline int kq_valid(int T) {
+    return T == KQ_Q8_0 || T == KQ_Q5_0 || T == KQ_Q4_K || T == KQ_Q5_K || T == KQ_Q6_K;
+}
+static inline int kq_qk(int T) { return (T == KQ_Q8_0 || T == KQ_Q5_0) ? 32 : 256; }
+/* bytes of one file block (one row) */
+static inline int kq_fbytes(int T) {
+    return T == KQ_Q8_0 ? 34 : T == KQ_Q5_0 ? 22 : T == KQ_Q4_K ? 144 : T == KQ_Q5_K ? 176 : 210;
+}
+/* bytes of the tile header of one block (scales of 16 rows) and of one group of 32 inputs (codes of 16 rows) */
+static inline int kq_hbytes(int T) {
+    return (T == KQ_Q8_0 || T == KQ_Q5_0) ? 32 : (T == KQ_Q4_K || T == KQ_Q5_K) ? 64 + 256 : 32 + 256;
+}
+static inline int kq_gbytes(int T) {
+    return T == KQ_Q8_0 ? 512 : T == KQ_Q4_K ? 256 : (T == KQ_Q5_0 || T == KQ_Q5_K) ? 320 : 384;
+}
+static inline int64_t kq_tbytes(int T) { return kq_hbytes(T) + (int64_t)(kq_qk(T) / 32) * kq_gbytes(T); }
+
+/* Bytes of the tiled form of an [N, K] weight of ggml type `type` (N rounded up to 16); -1 for a bad type/K. */
+int64_t kq_packed_bytes(int type, int64_t N, int64_t K) {
+    if (!kq_valid(type) || K % kq_qk(type)) return -1;
+    return (N + KQ_R - 1) / KQ_R * (K / kq_qk(type)) * kq_tbytes(type);
+}
+
 /* ---- activations ---------------------------------------------------------------------------------------------- */
 
 /* x [M][K] (bf16 if is_bf16 else float32), K % 32 == 0 ->
  * xhi, xlo [M][K] int8; xs [M][K/32] (block scale); xsum32 [M][K/32] = xs * sum of xq over the block;
- * xsum16 [M][K/16] = xs * sum of xq over each half block. */
+ * isum16 [M][K/16] = the exact int sum of xq over each half block. */
 void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *xhi, int8_t *xlo, float *xs,
-                     float *xsum32, float *xsum16) {
+                     float *xsum32, int32_t *isum16) {
     const int64_t nb = K / 32;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t i = 0; i < M * nb; i++) {
@@ -146,342 +179,618 @@ void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *x
         }
         xs[m * nb + b] = scale;
         xsum32[m * nb + b] = scale * (float)(s0 + s1);
-        xsum16[(m * nb + b) * 2] = scale * (float)s0;
-        xsum16[(m * nb + b) * 2 + 1] = scale * (float)s1;
+        isum16[(m * nb + b) * 2] = s0;
+        isum16[(m * nb + b) * 2 + 1] = s1;
     }
 }
 
-/* ---- per-group weight decode ---------------------------------------------------------------------------------- */
+/* ---- the file's codes, and the repack ------------------------------------------------------------------------- */
 
-/* One 32-input group of one weight row, decoded: codes c[32] as u8 (Q8_0: |q| with the sign moved onto the
- * activations), scales A (lanes 0-3 use a0, lanes 4-7 a1: Q6_K's 16-element sub-blocks; else a0 == a1),
- * offsets b0, b1 (w = A c + B; b1 != 0 only for Q6_K's second half). */
-typedef struct {
-    float a0, a1, b0, b1;
-    int half; /* b applies per 16-element half (Q6_K) */
-} kq_group;
-
-#if KQ_SIMD
-typedef struct {
-    __m256i c, sgn;
-} kq_codes;
-
-static inline __m256i kq_bits_to_bytes(uint32_t bits) { /* bit e of bits -> byte e = 0xFF or 0 */
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
-    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL));
-    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
-}
-#endif
-
-/* Decodes group j of the super-block (or block) at blk of type T. Scalar form: codes into c[32], sign flags for
- * Q8_0 into neg[32]. */
-static inline __attribute__((always_inline)) void kq_group_scales(const int T, const uint8_t *blk, int j,
-                                                                   kq_group *g) {
-    g->half = 0;
-    g->b1 = 0.0f;
+/* Codes of group j (32 inputs) of the file block blk: Q8_0 its signed q, the others the unsigned code. */
+static inline __attribute__((always_inline)) void kq_file_codes(const int T, const uint8_t *blk, int j, int c[32]) {
     if (T == KQ_Q8_0) {
-        g->a0 = g->a1 = f16_to_f32(blk);
-        g->b0 = 0.0f;
-    } else if (T == KQ_Q5_0) {
-        const float d = f16_to_f32(blk);
-        g->a0 = g->a1 = d;
-        g->b0 = -16.0f * d;
-    } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
-        int sc, m;
-        kq_scale_min(blk + 4, j, &sc, &m);
-        g->a0 = g->a1 = f16_to_f32(blk) * (float)sc;
-        g->b0 = -(f16_to_f32(blk + 2) * (float)m);
-    } else { /* Q6_K */
-        const float d = f16_to_f32(blk + 208);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        g->a0 = d * (float)sc[2 * j];
-        g->a1 = d * (float)sc[2 * j + 1];
-        g->b0 = -32.0f * g->a0;
-        g->b1 = -32.0f * g->a1;
-        g->half = 1;
-    }
-}
-
-static inline __attribute__((always_inline)) void kq_group_codes_scalar(const int T, const uint8_t *blk, int j,
-                                                                         uint8_t c[32], int8_t sgn[32]) {
-    for (int e = 0; e < 32; e++) sgn[e] = 1;
-    if (T == KQ_Q8_0) {
-        for (int e = 0; e < 32; e++) {
-            const int8_t q = (int8_t)blk[2 + e];
-            c[e] = (uint8_t)(q < 0 ? -q : q);
-            sgn[e] = q < 0 ? -1 : (q > 0 ? 1 : 0);
-        }
+        for (int e = 0; e < 32; e++) c[e] = (int8_t)blk[2 + e];
     } else if (T == KQ_Q5_0) {
         uint32_t qh;
         memcpy(&qh, blk + 2, 4);
         for (int e = 0; e < 32; e++) {
-            const uint8_t nib = e < 16 ? (blk[6 + e] & 15) : (blk[6 + e - 16] >> 4);
-            c[e] = (uint8_t)(nib | (((qh >> e) & 1u) << 4));
+            const int nib = e < 16 ? (blk[6 + e] & 15) : (blk[6 + e - 16] >> 4);
+            c[e] = nib | (int)(((qh >> e) & 1u) << 4);
         }
     } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
         const uint8_t *qs = blk + (T == KQ_Q4_K ? 16 : 48) + 32 * (j / 2);
         for (int e = 0; e < 32; e++) {
             c[e] = (j & 1) ? (qs[e] >> 4) : (qs[e] & 15);
-            if (T == KQ_Q5_K) c[e] |= (uint8_t)(((blk[16 + e] >> j) & 1) << 4);
+            if (T == KQ_Q5_K) c[e] |= ((blk[16 + e] >> j) & 1) << 4;
         }
     } else { /* Q6_K: group j = 4 h + s */
         const int h = j / 4, s = j % 4;
         const uint8_t *ql = blk + 64 * h + 32 * (s & 1), *qh = blk + 128 + 32 * h;
         for (int e = 0; e < 32; e++) {
-            const uint8_t lo = (s >= 2) ? (ql[e] >> 4) : (ql[e] & 15);
-            c[e] = (uint8_t)(lo | (((qh[e] >> (2 * s)) & 3) << 4));
+            const int lo = (s >= 2) ? (ql[e] >> 4) : (ql[e] & 15);
+            c[e] = lo | (((qh[e] >> (2 * s)) & 3) << 4);
         }
     }
 }
 
-#if KQ_SIMD
-static inline __attribute__((always_inline)) kq_codes kq_group_codes(const int T, const uint8_t *blk, int j) {
-    kq_codes r;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    if (T == KQ_Q8_0) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        r.c = _mm256_abs_epi8(q); /* -128 -> 0x80 = 128 as u8 */
-        r.sgn = q;
-        return r;
-    }
-    r.sgn = _mm256_setzero_si256();
-    if (T == KQ_Q5_0) {
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6));
-        const __m256i nib = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);
-        uint32_t qh;
-        memcpy(&qh, blk + 2, 4);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-        r.c = _mm256_or_si256(nib, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16)));
-#else
-        r.c = _mm256_or_si256(nib, _mm256_and_si256(kq_bits_to_bytes(qh), _mm256_set1_epi8(16)));
-#endif
-    } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
-        const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (T == KQ_Q4_K ? 16 : 48) + 32 * (j / 2)));
-        r.c = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4) : _mm256_and_si256(qs, m4);
-        if (T == KQ_Q5_K) {
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
-            r.c = _mm256_or_si256(r.c, _mm256_slli_epi16(bit, 4));
+/* Offset of the nibble vectors in a tiled group (after the high-bit vectors). */
+static inline int kq_nib_off(const int T) { return (T == KQ_Q5_0 || T == KQ_Q5_K) ? 64 : T == KQ_Q6_K ? 128 : 0; }
+
+/* Codes of lane r in the tiled group g (inverse of the repack; Q8_0 signed). */
+static void kq_tile_codes(const int T, const uint8_t *g, int r, int c[32]) {
+    for (int k = 0; k < 32; k++) {
+        const int ch = k / 4, b = 4 * r + k % 4;
+        if (T == KQ_Q8_0) {
+            c[k] = (int8_t)g[64 * ch + b];
+            continue;
         }
-    } else { /* Q6_K */
-        const int h = j / 4, s = j % 4;
-        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (s & 1)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-        const __m256i lo = (s >= 2) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) : _mm256_and_si256(ql, m4);
-        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), _mm256_set1_epi8(3));
-        r.c = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+        const int nb = g[kq_nib_off(T) + 64 * (ch & 3) + b];
+        int v = ch >= 4 ? nb >> 4 : nb & 15;
+        if (T == KQ_Q5_0 || T == KQ_Q5_K) v |= ((g[b] >> ch) & 1) << 4;
+        if (T == KQ_Q6_K) v |= ((g[64 * (ch / 4) + b] >> (2 * (ch & 3))) & 3) << 4;
+        c[k] = v;
     }
-    return r;
 }
 
-/* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), the order the scalar path repeats */
-static inline float kq_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-static inline float kq_hsum_scalar(const float l[8]) {
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
-/* ---- the matmul ---------------------------------------------------------------------------------------------- */
-
-typedef struct {
-    const int8_t *xhi, *xlo;
-    const float *xs, *xsum32, *xsum16;
-    int64_t K;
-} kq_act;
-
-/* Rows m0 .. m0 + MR - 1 of out (float32 sums before the store) for weight row `row` of type T. */
-static inline __attribute__((always_inline)) void kq_row_tile(const int T, const int MR, const uint8_t *row,
-                                                              const kq_act *a, int64_t m0, float *res) {
-    const int64_t K = a->K, nb32 = K / 32;
-    const int qk = (T == KQ_Q8_0 || T == KQ_Q5_0) ? 32 : 256;
-    const int bsize = T == KQ_Q8_0 ? 34 : T == KQ_Q5_0 ? 22 : T == KQ_Q4_K ? 144 : T == KQ_Q5_K ? 176 : 210;
-    const int ng = qk / 32;
-    float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if KQ_SIMD
-    __m256 acc[4];
-    for (int r = 0; r < MR; r++) acc[r] = _mm256_setzero_ps();
-#else
-    float acc[4][8];
-    for (int r = 0; r < MR; r++)
-        for (int l = 0; l < 8; l++) acc[r][l] = 0.0f;
-#endif
-    for (int64_t sb = 0; sb < K / qk; sb++) {
-        const uint8_t *blk = row + sb * bsize;
-        kq_group gs[8];
-        for (int j = 0; j < ng; j++) kq_group_scales(T, blk, j, &gs[j]);
-        for (int j = 0; j < ng; j++) {
-            const int64_t gi = sb * ng + j; /* 32-group index along K */
-            const kq_group g = gs[j];
-#if KQ_SIMD
-            const kq_codes cd = kq_group_codes(T, blk, j);
-#else
-            uint8_t c[32];
-            int8_t sgn[32];
-            kq_group_codes_scalar(T, blk, j, c, sgn);
-#endif
-            for (int r = 0; r < MR; r++) {
-                const int64_t m = m0 + r;
-                const float xs = a->xs[m * nb32 + gi];
-#if KQ_SIMD
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(a->xhi + m * K + 32 * gi));
-                __m256i xl = _mm256_loadu_si256((const __m256i *)(a->xlo + m * K + 32 * gi));
+/* Tile t's block sb (16 rows of the file's block sb) -> o (kq_tbytes), T a constant after inlining. */
+static inline __attribute__((always_inline)) void kq_pack_block(const int T, const uint8_t *src, int64_t N,
+                                                                int64_t row_bytes, int64_t t, int64_t sb,
+                                                                uint8_t *o) {
+    const int qk = kq_qk(T), fb = kq_fbytes(T), hb = kq_hbytes(T), gb = kq_gbytes(T);
+    if (t * KQ_R + KQ_R > N) memset(o, 0, kq_tbytes(T)); /* rows past N stay zero */
+    for (int r = 0; r < KQ_R; r++) {
+        const int64_t n = t * KQ_R + r;
+        if (n >= N) break;
+        const uint8_t *blk = src + n * row_bytes + sb * fb;
+        if (T == KQ_Q8_0 || T == KQ_Q5_0) {
+            memcpy(o + 2 * r, blk, 2);
+        } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
+            memcpy(o + 2 * r, blk, 2);
+            memcpy(o + 32 + 2 * r, blk + 2, 2);
+            for (int j = 0; j < 8; j++) {
+                int sc, m;
+                kq_scale_min(blk + 4, j, &sc, &m);
+                o[64 + 16 * j + r] = (uint8_t)sc;
+                o[192 + 16 * j + r] = (uint8_t)m;
+            }
+        } else {
+            memcpy(o + 2 * r, blk + 208, 2);
+            for (int s = 0; s < 16; s++) o[32 + 16 * s + r] = blk[192 + s];
+        }
+        for (int j = 0; j < qk / 32; j++) {
+            uint8_t *g = o + hb + j * gb;
+            int c[32];
+            kq_file_codes(T, blk, j, c);
+            for (int e = 0; e < 4; e++) {
+                const int b = 4 * r + e;
                 if (T == KQ_Q8_0) {
-                    xh = _mm256_sign_epi8(xh, cd.sgn);
-                    xl = _mm256_sign_epi8(xl, cd.sgn);
+                    for (int ch = 0; ch < 8; ch++) g[64 * ch + b] = (uint8_t)c[4 * ch + e];
+                    continue;
                 }
-                const __m256i dh = kq_dp(_mm256_setzero_si256(), cd.c, xh);
-                const __m256i dl = kq_dp(_mm256_setzero_si256(), cd.c, xl);
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dh, 7), dl));
-                const __m256 sv = g.half ? _mm256_set_m128(_mm_set1_ps(g.a1 * xs), _mm_set1_ps(g.a0 * xs))
-                                         : _mm256_set1_ps(g.a0 * xs);
-                acc[r] = _mm256_fmadd_ps(dot, sv, acc[r]);
-#else
-                const int8_t *xh = a->xhi + m * K + 32 * gi, *xl = a->xlo + m * K + 32 * gi;
-                for (int l = 0; l < 8; l++) {
-                    int32_t d = 0;
-                    for (int e = 4 * l; e < 4 * l + 4; e++) d += (int32_t)c[e] * sgn[e] * (128 * xh[e] + xl[e]);
-                    const float sv = (g.half && l >= 4) ? g.a1 * xs : g.a0 * xs;
-                    acc[r][l] = fmaf((float)d, sv, acc[r][l]);
+                for (int v = 0; v < 4; v++) /* chunk v low nibble, chunk v + 4 high */
+                    g[kq_nib_off(T) + 64 * v + b] = (uint8_t)((c[4 * v + e] & 15) | ((c[16 + 4 * v + e] & 15) << 4));
+                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                    int bits = 0;
+                    for (int ch = 0; ch < 8; ch++) bits |= ((c[4 * ch + e] >> 4) & 1) << ch;
+                    g[b] = (uint8_t)bits;
                 }
-#endif
-                if (g.half) {
-                    sacc[r] = fmaf(g.b0, a->xsum16[m * 2 * nb32 + 2 * gi], sacc[r]);
-                    sacc[r] = fmaf(g.b1, a->xsum16[m * 2 * nb32 + 2 * gi + 1], sacc[r]);
-                } else if (T != KQ_Q8_0) {
-                    sacc[r] = fmaf(g.b0, a->xsum32[m * nb32 + gi], sacc[r]);
-                }
-            }
-        }
-    }
-    for (int r = 0; r < MR; r++) {
-#if KQ_SIMD
-        res[r] = kq_hsum(acc[r]) + sacc[r];
-#else
-        res[r] = kq_hsum_scalar(acc[r]) + sacc[r];
-#endif
-    }
-}
-
-/* Weight rows n0 .. n1 - 1 for all M activation rows. */
-static inline __attribute__((always_inline)) void kq_rows_t(const int T, const uint8_t *w, int64_t n0, int64_t n1,
-                                                             int64_t row_bytes, const kq_act *a, int64_t M,
-                                                             void *out, int64_t ldo, int out_bf16) {
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        float res[4];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-            switch (mr) { /* every row tile computes each of its rows exactly as a tile of one would */
-                case 4: kq_row_tile(T, 4, row, a, m0, res); break;
-                case 3: kq_row_tile(T, 3, row, a, m0, res); break;
-                case 2: kq_row_tile(T, 2, row, a, m0, res); break;
-                default: kq_row_tile(T, 1, row, a, m0, res); break;
-            }
-            for (int64_t r = 0; r < mr; r++) {
-                if (out_bf16)
-                    ((uint16_t *)out)[(m0 + r) * ldo + n] = f32_to_bf16(res[r]);
-                else
-                    ((float *)out)[(m0 + r) * ldo + n] = res[r];
+                if (T == KQ_Q6_K)
+                    for (int hh = 0; hh < 2; hh++) {
+                        int bits = 0;
+                        for (int cc = 0; cc < 4; cc++) bits |= ((c[4 * (4 * hh + cc) + e] >> 4) & 3) << (2 * cc);
+                        g[64 * hh + b] = (uint8_t)bits;
+                    }
             }
         }
     }
 }
 
-#define KQ_ROWS_PER_TASK 16
-
-/* out[m][n] (at out + m * ldo + n; float32, or bf16 if out_bf16) = sum_k x[m][k] w[n][k] for the activations
- * prepared by kq_quantize_act. type: ggml type id (6, 8, 12, 13, 14); K % 256 == 0 for the K-quants, K % 32 == 0
- * for the others. Returns 0, or -1 for an unsupported type. */
-int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const int8_t *xhi,
-              const int8_t *xlo, const float *xs, const float *xsum32, const float *xsum16, int64_t M, void *out,
-              int64_t ldo, int out_bf16) {
-    if (type != KQ_Q8_0 && type != KQ_Q5_0 && type != KQ_Q4_K && type != KQ_Q5_K && type != KQ_Q6_K) return -1;
-    const kq_act a = {xhi, xlo, xs, xsum32, xsum16, K};
-    const int64_t n_tasks = (N + KQ_ROWS_PER_TASK - 1) / KQ_ROWS_PER_TASK;
-    /* the type switch sits inside the parallel loop, so the outlined OpenMP body is specialized per type */
-#pragma omp parallel for schedule(static) if (N * M * K >= 1 << 18)
-    for (int64_t t = 0; t < n_tasks; t++) {
-        const int64_t n0 = t * KQ_ROWS_PER_TASK, n1 = n0 + KQ_ROWS_PER_TASK < N ? n0 + KQ_ROWS_PER_TASK : N;
+/* dst (kq_packed_bytes) = the tiled form of src [N][row_bytes] (the file's rows of ggml blocks). Rows past N in
+ * the last tile are zero. Returns 0, or -1 for an unsupported type or K. */
+int kq_pack(int type, const uint8_t *src, int64_t N, int64_t K, int64_t row_bytes, uint8_t *dst) {
+    if (kq_packed_bytes(type, N, K) < 0) return -1;
+    const int64_t nsb = K / kq_qk(type), tb = kq_tbytes(type), nt = (N + KQ_R - 1) / KQ_R;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < nt * nsb; i++) {
+        const int64_t t = i / nsb, sb = i % nsb;
         switch (type) {
-            case KQ_Q8_0: kq_rows_t(KQ_Q8_0, w, n0, n1, row_bytes, &a, M, out, ldo, out_bf16); break;
-            case KQ_Q5_0: kq_rows_t(KQ_Q5_0, w, n0, n1, row_bytes, &a, M, out, ldo, out_bf16); break;
-            case KQ_Q4_K: kq_rows_t(KQ_Q4_K, w, n0, n1, row_bytes, &a, M, out, ldo, out_bf16); break;
-            case KQ_Q5_K: kq_rows_t(KQ_Q5_K, w, n0, n1, row_bytes, &a, M, out, ldo, out_bf16); break;
-            default: kq_rows_t(KQ_Q6_K, w, n0, n1, row_bytes, &a, M, out, ldo, out_bf16); break;
+            case KQ_Q8_0: kq_pack_block(KQ_Q8_0, src, N, row_bytes, t, sb, dst + i * tb); break;
+            case KQ_Q5_0: kq_pack_block(KQ_Q5_0, src, N, row_bytes, t, sb, dst + i * tb); break;
+            case KQ_Q4_K: kq_pack_block(KQ_Q4_K, src, N, row_bytes, t, sb, dst + i * tb); break;
+            case KQ_Q5_K: kq_pack_block(KQ_Q5_K, src, N, row_bytes, t, sb, dst + i * tb); break;
+            default: kq_pack_block(KQ_Q6_K, src, N, row_bytes, t, sb, dst + i * tb); break;
         }
     }
     return 0;
 }
 
-/* ---- dequantization of whole rows (embedding lookups) ------------------------------------------------------- */
+/* Drops the whole pages inside [p, p + n) of a read-only or never-written copy-on-write FILE mapping from the
+ * process's resident memory (madvise MADV_DONTNEED; a later read faults them in again from the file). Used on a
+ * GGUF tensor's mapped bytes once they are tiled, so the process doesn't hold both. Never call it on anonymous
+ * memory (its contents would be lost). Returns madvise's result (0, or -1). */
+int kq_release_file_pages(const void *p, int64_t n) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)p + page - 1) / page * page, b = ((uintptr_t)p + (uintptr_t)n) / page * page;
+    if (b <= a) return 0;
+    return madvise((void *)a, b - a, MADV_DONTNEED);
+}
 
-static inline __attribute__((always_inline)) void kq_dequant_row_t(const int T, const uint8_t *row, int64_t K,
-                                                                    float *o) {
-    const int qk = (T == KQ_Q8_0 || T == KQ_Q5_0) ? 32 : 256;
-    const int bsize = T == KQ_Q8_0 ? 34 : T == KQ_Q5_0 ? 22 : T == KQ_Q4_K ? 144 : T == KQ_Q5_K ? 176 : 210;
+/* ---- the matmul ----------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const int8_t *xhi, *xlo;
+    const float *xs, *xsum32;
+    const int32_t *isum16;
+    int64_t K;
+} kq_act;
+
+static inline int32_t kq_ld32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if KQ_ISA == 3
+typedef __m512i VI;
+typedef __m512 VF;
+#define KQ_W 16
+#define VLOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VAND _mm512_and_si512
+#define VOR _mm512_or_si512
+#define VXOR _mm512_xor_si512
+#define VSRL16 _mm512_srli_epi16
+#define VSLL16 _mm512_slli_epi16
+#define VSET8 _mm512_set1_epi8
+#define VSET32 _mm512_set1_epi32
+#define VZERO _mm512_setzero_si512()
+#define VDP(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
+#define VADD32 _mm512_add_epi32
+#define VSUB32 _mm512_sub_epi32
+#define VSLL32 _mm512_slli_epi32
+#define VCVT _mm512_cvtepi32_ps
+#define VFMA _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#define VSUBF _mm512_sub_ps
+#define VSETF _mm512_set1_ps
+#define VZEROF _mm512_setzero_ps()
+#define VSTOREF _mm512_storeu_ps
+#define VF16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VU8F(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VS8F(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#elif KQ_ISA >= 1
+typedef __m256i VI;
+typedef __m256 VF;
+#define KQ_W 8
+#define VLOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VAND _mm256_and_si256
+#define VOR _mm256_or_si256
+#define VXOR _mm256_xor_si256
+#define VSRL16 _mm256_srli_epi16
+#define VSLL16 _mm256_slli_epi16
+#define VSET8 _mm256_set1_epi8
+#define VSET32 _mm256_set1_epi32
+#define VZERO _mm256_setzero_si256()
+#if KQ_ISA == 2
+#define VDP(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#else
+/* u8 x s8 pairs in int16 do not saturate: |u| <= 128 and |s| <= 127 for every caller (2 * 128 * 127 < 2^15) */
+static inline __m256i kq_dp2(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#define VDP(acc, u, s) kq_dp2((acc), (u), (s))
+#endif
+#define VADD32 _mm256_add_epi32
+#define VSUB32 _mm256_sub_epi32
+#define VSLL32 _mm256_slli_epi32
+#define VCVT _mm256_cvtepi32_ps
+#define VFMA _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#define VSUBF _mm256_sub_ps
+#define VSETF _mm256_set1_ps
+#define VZEROF _mm256_setzero_ps()
+#define VSTOREF _mm256_storeu_ps
+#define VF16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VU8F(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VS8F(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+
+#if KQ_ISA >= 1
+/* Lanes l0 .. l0 + KQ_W - 1 of tile `tile` (all its blocks along K) for activation rows m0 .. m0 + MR - 1:
+ * res[r][lane] = the float32 results. */
+static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const int MR, const uint8_t *tile,
+                                                              int l0, const kq_act *a, int64_t m0,
+                                                              float res[4][KQ_R]) {
+    const int64_t K = a->K, nb32 = K / 32;
+    const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
+    const int64_t tb = kq_tbytes(T);
+    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
+    const VI m4 = VSET8(0x0F);
+    VF acc[4], sacc[4];
+    for (int r = 0; r < MR; r++) acc[r] = sacc[r] = VZEROF;
     for (int64_t sb = 0; sb < K / qk; sb++) {
-        const uint8_t *blk = row + sb * bsize;
-        for (int j = 0; j < qk / 32; j++) {
-            kq_group g;
-            uint8_t c[32];
-            int8_t sgn[32];
-            kq_group_scales(T, blk, j, &g);
-            kq_group_codes_scalar(T, blk, j, c, sgn);
-            float *oj = o + sb * qk + 32 * j;
-            for (int e = 0; e < 32; e++) {
-                /* gguf's float32 values: d q, d (q - 16), d sc (q - 32) are exact; d sc q - dmin m rounds once */
-                if (T == KQ_Q8_0) oj[e] = g.a0 * (float)((int)c[e] * sgn[e]);
-                else if (T == KQ_Q5_0) oj[e] = g.a0 * (float)((int)c[e] - 16);
-                else if (T == KQ_Q6_K) oj[e] = (e < 16 ? g.a0 : g.a1) * (float)((int)c[e] - 32);
-                else oj[e] = g.a0 * (float)c[e] + g.b0;
+        const uint8_t *h = tile + sb * tb;
+        const VF dv = VF16(h + 2 * l0);
+        const VF dmv = kmin ? VF16(h + 32 + 2 * l0) : VZEROF;
+        for (int j = 0; j < ng; j++) {
+            const uint8_t *g = h + hb + j * gb;
+            const int64_t gi = sb * ng + j;
+            const int lb = 4 * l0;
+            if (l0 == 0) /* prefetches never fault: past the end of w they are dropped */
+                for (int pl = 0; pl < gb; pl += 64) _mm_prefetch((const char *)(g + KQ_PREFETCH + pl), _MM_HINT_T0);
+            VI cv[8];
+            if (T == KQ_Q8_0) {
+                for (int c = 0; c < 8; c++) {
+                    const VI q = VLOAD(g + 64 * c + lb);
+#if KQ_ISA >= 2
+                    cv[c] = VXOR(q, VSET8((char)0x80)); /* q + 128, unsigned */
+#else
+                    cv[c] = q; /* signed: abs / sign at the product */
+#endif
+                }
+            } else {
+                const int no = kq_nib_off(T);
+                for (int v = 0; v < 4; v++) {
+                    const VI nib = VLOAD(g + no + 64 * v + lb);
+                    cv[v] = VAND(nib, m4);
+                    cv[v + 4] = VAND(VSRL16(nib, 4), m4);
+                }
+                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                    const VI qh = VLOAD(g + lb), b4 = VSET8(0x10);
+                    cv[0] = VOR(cv[0], VAND(VSLL16(qh, 4), b4));
+                    cv[1] = VOR(cv[1], VAND(VSLL16(qh, 3), b4));
+                    cv[2] = VOR(cv[2], VAND(VSLL16(qh, 2), b4));
+                    cv[3] = VOR(cv[3], VAND(VSLL16(qh, 1), b4));
+                    cv[4] = VOR(cv[4], VAND(qh, b4));
+                    cv[5] = VOR(cv[5], VAND(VSRL16(qh, 1), b4));
+                    cv[6] = VOR(cv[6], VAND(VSRL16(qh, 2), b4));
+                    cv[7] = VOR(cv[7], VAND(VSRL16(qh, 3), b4));
+                } else if (T == KQ_Q6_K) {
+                    const VI q0 = VLOAD(g + lb), q1 = VLOAD(g + 64 + lb), b45 = VSET8(0x30);
+                    cv[0] = VOR(cv[0], VAND(VSLL16(q0, 4), b45));
+                    cv[1] = VOR(cv[1], VAND(VSLL16(q0, 2), b45));
+                    cv[2] = VOR(cv[2], VAND(q0, b45));
+                    cv[3] = VOR(cv[3], VAND(VSRL16(q0, 2), b45));
+                    cv[4] = VOR(cv[4], VAND(VSLL16(q1, 4), b45));
+                    cv[5] = VOR(cv[5], VAND(VSLL16(q1, 2), b45));
+                    cv[6] = VOR(cv[6], VAND(q1, b45));
+                    cv[7] = VOR(cv[7], VAND(VSRL16(q1, 2), b45));
+                }
+            }
+            VF A0, A1 = VZEROF, B = VZEROF;
+            if (T == KQ_Q8_0 || T == KQ_Q5_0) {
+                A0 = dv;
+            } else if (kmin) {
+                A0 = VMUL(dv, VU8F(h + 64 + 16 * j + l0));
+                B = VMUL(dmv, VU8F(h + 192 + 16 * j + l0));
+            } else {
+                A0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j) + l0));
+                A1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1) + l0));
+            }
+            for (int r = 0; r < MR; r++) {
+                const int64_t m = m0 + r;
+                const int8_t *xh = a->xhi + m * K + 32 * gi, *xl = a->xlo + m * K + 32 * gi;
+                VI h0 = VZERO, h1 = VZERO, w0 = VZERO, w1 = VZERO;
+                for (int c = 0; c < 8; c++) {
+                    VI sh = VSET32(kq_ld32(xh + 4 * c)), sl = VSET32(kq_ld32(xl + 4 * c)), u = cv[c];
+#if KQ_ISA == 1
+                    if (T == KQ_Q8_0) {
+                        sh = _mm256_sign_epi8(sh, cv[c]);
+                        sl = _mm256_sign_epi8(sl, cv[c]);
+                        u = _mm256_abs_epi8(cv[c]); /* -128 -> 0x80 = 128 as u8 */
+                    }
+#endif
+                    if (c < 4) {
+                        h0 = VDP(h0, u, sh);
+                        w0 = VDP(w0, u, sl);
+                    } else {
+                        h1 = VDP(h1, u, sh);
+                        w1 = VDP(w1, u, sl);
+                    }
+                }
+                const VI d0 = VADD32(VSLL32(h0, 7), w0), d1 = VADD32(VSLL32(h1, 7), w1);
+                const int32_t i0 = a->isum16[m * 2 * nb32 + 2 * gi], i1 = a->isum16[m * 2 * nb32 + 2 * gi + 1];
+                const VF xsf = VSETF(a->xs[m * nb32 + gi]);
+                if (T == KQ_Q6_K) {
+                    acc[r] = VFMA(VCVT(VSUB32(d0, VSET32(32 * i0))), VMUL(A0, xsf), acc[r]);
+                    acc[r] = VFMA(VCVT(VSUB32(d1, VSET32(32 * i1))), VMUL(A1, xsf), acc[r]);
+                } else {
+                    const int32_t off = T == KQ_Q5_0 ? 16 : (T == KQ_Q8_0 && KQ_ISA >= 2) ? 128 : 0;
+                    VI d = VADD32(d0, d1);
+                    if (off) d = VSUB32(d, VSET32(off * (i0 + i1)));
+                    acc[r] = VFMA(VCVT(d), VMUL(A0, xsf), acc[r]);
+                    if (kmin) sacc[r] = VFMA(B, VSETF(a->xsum32[m * nb32 + gi]), sacc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) VSTOREF(res[r] + l0, kmin ? VSUBF(acc[r], sacc[r]) : acc[r]);
+}
+#endif
+
+/* The same arithmetic, one lane at a time (the reference the vector paths equal bit for bit). */
+static inline __attribute__((always_inline)) void kq_tile_scalar(const int T, const int MR, const uint8_t *tile,
+                                                                 const kq_act *a, int64_t m0, float res[4][KQ_R]) {
+    const int64_t K = a->K, nb32 = K / 32;
+    const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
+    const int64_t tb = kq_tbytes(T);
+    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
+    for (int l = 0; l < KQ_R; l++) {
+        float acc[4] = {0, 0, 0, 0}, sacc[4] = {0, 0, 0, 0};
+        for (int64_t sb = 0; sb < K / qk; sb++) {
+            const uint8_t *h = tile + sb * tb;
+            const float d = f16_to_f32(h + 2 * l), dm = kmin ? f16_to_f32(h + 32 + 2 * l) : 0.0f;
+            for (int j = 0; j < ng; j++) {
+                const int64_t gi = sb * ng + j;
+                int c[32];
+                kq_tile_codes(T, h + hb + j * gb, l, c);
+                float A0, A1 = 0.0f, B = 0.0f;
+                if (T == KQ_Q8_0 || T == KQ_Q5_0) {
+                    A0 = d;
+                } else if (kmin) {
+                    A0 = d * (float)h[64 + 16 * j + l];
+                    B = dm * (float)h[192 + 16 * j + l];
+                } else {
+                    A0 = d * (float)(int8_t)h[32 + 16 * (2 * j) + l];
+                    A1 = d * (float)(int8_t)h[32 + 16 * (2 * j + 1) + l];
+                }
+                for (int r = 0; r < MR; r++) {
+                    const int64_t m = m0 + r;
+                    const int8_t *xh = a->xhi + m * K + 32 * gi, *xl = a->xlo + m * K + 32 * gi;
+                    int32_t d0 = 0, d1 = 0;
+                    for (int k = 0; k < 32; k++) {
+                        const int32_t p = c[k] * (128 * xh[k] + xl[k]);
+                        if (k < 16) d0 += p; else d1 += p;
+                    }
+                    const int32_t i0 = a->isum16[m * 2 * nb32 + 2 * gi], i1 = a->isum16[m * 2 * nb32 + 2 * gi + 1];
+                    const float xs = a->xs[m * nb32 + gi];
+                    if (T == KQ_Q6_K) {
+                        acc[r] = fmaf((float)(d0 - 32 * i0), A0 * xs, acc[r]);
+                        acc[r] = fmaf((float)(d1 - 32 * i1), A1 * xs, acc[r]);
+                    } else {
+                        const int32_t off = T == KQ_Q5_0 ? 16 : 0;
+                        acc[r] = fmaf((float)(d0 + d1 - off * (i0 + i1)), A0 * xs, acc[r]);
+                        if (kmin) sacc[r] = fmaf(B, a->xsum32[m * nb32 + gi], sacc[r]);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < MR; r++) res[r][l] = kmin ? acc[r] - sacc[r] : acc[r];
+    }
+}
+
+static inline __attribute__((always_inline)) void kq_tile(const int T, const int MR, const uint8_t *tile,
+                                                          const kq_act *a, int64_t m0, float res[4][KQ_R]) {
+#if KQ_ISA >= 1
+    for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) kq_tile_vec(T, MR, tile, l0, a, m0, res);
+#else
+    kq_tile_scalar(T, MR, tile, a, m0, res);
+#endif
+}
+
+/* Tiles t0 .. t1 - 1 for all M activation rows. */
+static inline __attribute__((always_inline)) void kq_tiles_t(const int T, const uint8_t *w, int64_t t0, int64_t t1,
+                                                              int64_t N, const kq_act *a, int64_t M, void *out,
+                                                              int64_t ldo, int out_bf16) {
+    const int64_t tsz = (a->K / kq_qk(T)) * kq_tbytes(T);
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = w + t * tsz;
+        const int64_t n0 = t * KQ_R, nn = N - n0 < KQ_R ? N - n0 : KQ_R;
+        float res[4][KQ_R];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+            switch (mr) { /* every row of a tile of rows is computed exactly as in a tile of one */
+                case 4: kq_tile(T, 4, tile, a, m0, res); break;
+                case 3: kq_tile(T, 3, tile, a, m0, res); break;
+                case 2: kq_tile(T, 2, tile, a, m0, res); break;
+                default: kq_tile(T, 1, tile, a, m0, res); break;
+            }
+            for (int64_t r = 0; r < mr; r++) {
+                if (out_bf16) {
+                    uint16_t *o = (uint16_t *)out + (m0 + r) * ldo + n0;
+                    for (int64_t l = 0; l < nn; l++) o[l] = f32_to_bf16(res[r][l]);
+                } else {
+                    memcpy((float *)out + (m0 + r) * ldo + n0, res[r], nn * sizeof(float));
+                }
             }
         }
     }
 }
 
-/* out[i][0..K) (float32, or bf16 if out_bf16) = the dequantized row ids[i] of w. Returns 0, or -1. */
-int kq_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t n,
-                    void *out, int out_bf16) {
-    if (type != KQ_Q8_0 && type != KQ_Q5_0 && type != KQ_Q4_K && type != KQ_Q5_K && type != KQ_Q6_K) return -1;
+/* out[m][n] (at out + m * ldo + n; float32, or bf16 if out_bf16) = sum_k x[m][k] w[n][k] for the tiled weight w
+ * (kq_pack) and the activations prepared by kq_quantize_act. type: ggml type id (6, 8, 12, 13, 14); K % 256 == 0
+ * for the K-quants, K % 32 == 0 for the others. Returns 0, or -1 for an unsupported type. */
+int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xhi, const int8_t *xlo,
+              const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
+              int out_bf16) {
+    if (kq_packed_bytes(type, N, K) < 0) return -1;
+    const kq_act a = {xhi, xlo, xs, xsum32, isum16, K};
+    const int64_t nt = (N + KQ_R - 1) / KQ_R;
+    /* the type switch sits inside the parallel loop, so the outlined OpenMP body is specialized per type */
+#pragma omp parallel for schedule(static) if (N * M * K >= 1 << 18)
+    for (int64_t t = 0; t < nt; t++) {
+        switch (type) {
+            case KQ_Q8_0: kq_tiles_t(KQ_Q8_0, w, t, t + 1, N, &a, M, out, ldo, out_bf16); break;
+            case KQ_Q5_0: kq_tiles_t(KQ_Q5_0, w, t, t + 1, N, &a, M, out, ldo, out_bf16); break;
+            case KQ_Q4_K: kq_tiles_t(KQ_Q4_K, w, t, t + 1, N, &a, M, out, ldo, out_bf16); break;
+            case KQ_Q5_K: kq_tiles_t(KQ_Q5_K, w, t, t + 1, N, &a, M, out, ldo, out_bf16); break;
+            default: kq_tiles_t(KQ_Q6_K, w, t, t + 1, N, &a, M, out, ldo, out_bf16); break;
+        }
+    }
+    return 0;
+}
+
+/* ---- dequantization of whole rows (embedding lookups, tests) --------------------------------------------------- */
+
+/* out[i][0..K) (float32, or bf16 if out_bf16) = row ids[i] of the tiled weight w dequantized: gguf's float32 values
+ * (d q, d (q - 16), d sc (q - 32) are exact; d sc q - dmin m rounds once), rounded once to bf16 when asked.
+ * Returns 0, or -1 for an unsupported type. */
+int kq_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *out,
+                    int out_bf16) {
+    if (kq_packed_bytes(type, N, K) < 0) return -1;
+    const int T = type, qk = kq_qk(T), hb = kq_hbytes(T), gb = kq_gbytes(T);
+    const int64_t tb = kq_tbytes(T), tsz = (K / qk) * tb;
 #pragma omp parallel for schedule(static) if (n * K >= 1 << 18)
     for (int64_t i = 0; i < n; i++) {
-        float buf[4096];
-        const uint8_t *row = w + ids[i] * row_bytes;
-        float *dst = out_bf16 ? (float *)0 : (float *)out + i * K;
-        if (out_bf16) { /* rows are dequantized in chunks of 4096 inputs (a multiple of 256) */
-            const int64_t qk = (type == KQ_Q8_0 || type == KQ_Q5_0) ? 32 : 256;
-            const int64_t bsize = type == KQ_Q8_0 ? 34 : type == KQ_Q5_0 ? 22 : type == KQ_Q4_K ? 144
-                                : type == KQ_Q5_K ? 176 : 210;
-            for (int64_t k0 = 0; k0 < K; k0 += 4096) {
-                const int64_t kk = K - k0 < 4096 ? K - k0 : 4096;
-                const uint8_t *r0 = row + k0 / qk * bsize;
-                switch (type) {
-                    case KQ_Q8_0: kq_dequant_row_t(KQ_Q8_0, r0, kk, buf); break;
-                    case KQ_Q5_0: kq_dequant_row_t(KQ_Q5_0, r0, kk, buf); break;
-                    case KQ_Q4_K: kq_dequant_row_t(KQ_Q4_K, r0, kk, buf); break;
-                    case KQ_Q5_K: kq_dequant_row_t(KQ_Q5_K, r0, kk, buf); break;
-                    default: kq_dequant_row_t(KQ_Q6_K, r0, kk, buf); break;
+        const uint8_t *tile = w + ids[i] / KQ_R * tsz;
+        const int l = (int)(ids[i] % KQ_R);
+        for (int64_t sb = 0; sb < K / qk; sb++) {
+            const uint8_t *h = tile + sb * tb;
+            const float d = f16_to_f32(h + 2 * l);
+            for (int j = 0; j < qk / 32; j++) {
+                int c[32];
+                kq_tile_codes(T, h + hb + j * gb, l, c);
+                float v[32];
+                for (int k = 0; k < 32; k++) {
+                    if (T == KQ_Q8_0) {
+                        v[k] = d * (float)c[k];
+                    } else if (T == KQ_Q5_0) {
+                        v[k] = d * (float)(c[k] - 16);
+                    } else if (T == KQ_Q6_K) {
+                        v[k] = (d * (float)(int8_t)h[32 + 16 * (2 * j + k / 16) + l]) * (float)(c[k] - 32);
+                    } else {
+                        const float a = d * (float)h[64 + 16 * j + l], b = f16_to_f32(h + 32 + 2 * l) *
+                                                                           (float)h[192 + 16 * j + l];
+                        v[k] = a * (float)c[k] - b;
+                    }
                 }
-                uint16_t *ob = (uint16_t *)out + i * K + k0;
-                for (int64_t e = 0; e < kk; e++) ob[e] = f32_to_bf16(buf[e]);
-            }
-        } else {
-            switch (type) {
-                case KQ_Q8_0: kq_dequant_row_t(KQ_Q8_0, row, K, dst); break;
-                case KQ_Q5_0: kq_dequant_row_t(KQ_Q5_0, row, K, dst); break;
-                case KQ_Q4_K: kq_dequant_row_t(KQ_Q4_K, row, K, dst); break;
-                case KQ_Q5_K: kq_dequant_row_t(KQ_Q5_K, row, K, dst); break;
-                default: kq_dequant_row_t(KQ_Q6_K, row, K, dst); break;
+                const int64_t base = i * K + sb * qk + 32 * j;
+                if (out_bf16)
+                    for (int k = 0; k < 32; k++) ((uint16_t *)out)[base + k] = f32_to_bf16(v[k]);
+                else
+                    memcpy((float *)out + base, v, sizeof v);
             }
         }
+    }
+    return 0;
+}
+
+/* ---- prefill: tiles dequantized to bf16 in a packed bf16 GEMM's layout ------------------------------------------ */
+
+#if KQ_ISA == 3
+/* 16 floats -> their bf16 bits (round to nearest even, NaN stays NaN) in the low 16 bits of each int32 lane */
+static inline __m512i kq_bf16_bits16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+#else
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+#endif
+}
+#endif
+
+/* Rows 16 t0 .. 16 t1 - 1 of the tiled weight w, dequantized (gguf's float32 values, rounded once to bf16) into P in
+ * the packed layout of a bf16 linear kernel over those rows alone (N' = 16 (t1 - t0), a multiple of 32):
+ * layout 0: amx_pack's (amx_linear.c), 1: dpbf16_pack's (dpbf16_linear.c). Each tile's group of 32 inputs becomes 16
+ * vectors of 16 rows x one pair of inputs, the pair-interleaved form both kernels read. Vectorized where the build is
+ * AVX512 (kq_isa() == 3), else scalar (same values). Returns 0, or -1 for a bad type, layout or row range. */
+int kq_dequant_packed_bf16(int type, const uint8_t *w, int64_t N, int64_t K, int64_t t0, int64_t t1, int layout,
+                           uint16_t *P) {
+    if (kq_packed_bytes(type, N, K) < 0 || (layout != 0 && layout != 1) || t0 < 0 || t1 <= t0 ||
+        t1 > (N + KQ_R - 1) / KQ_R || (t1 - t0) % 2)
+        return -1;
+    const int T = type, qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
+    const int64_t tb = kq_tbytes(T), tsz = (K / qk) * tb, nrows = KQ_R * (t1 - t0), KB = K / 32;
+    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (t1 - t0) * KB; i++) {
+        const int64_t tl = i / KB, gi = i % KB, sb = gi / ng; /* tile (relative), 32-group, block */
+        const int j = (int)(gi % ng);
+        const uint8_t *h = w + (t0 + tl) * tsz + sb * tb, *g = h + hb + j * gb;
+        /* where pair-row r (inputs 32 gi + 2 r, + 1) of this tile goes: 16 lanes x 2 bf16 = 32 elements */
+        uint16_t *dst;
+        int64_t rstride;
+        if (layout == 0) { /* P[g][kb][jj][r][2c + p], 32-row group g = tl / 2, jj = tl % 2 */
+            dst = P + ((tl / 2) * KB + gi) * 1024 + (tl % 2) * 512;
+            rstride = 32;
+        } else { /* P[b][p][v][2c + q], 64-row block b = tl / 4, v = tl % 4, nv = 4 (2 for a last block of 32) */
+            const int64_t b = tl / 4, nv = (nrows - 64 * b) >= 64 ? 4 : 2;
+            dst = P + 64 * b * K + ((16 * gi) * nv + tl % 4) * 32;
+            rstride = nv * 32;
+        }
+#if KQ_ISA == 3
+        VI cv[8];
+        {
+            if (T == KQ_Q8_0) {
+                for (int c = 0; c < 8; c++) cv[c] = VLOAD(g + 64 * c);
+            } else {
+                const VI m4 = VSET8(0x0F);
+                const int no = kq_nib_off(T);
+                for (int v = 0; v < 4; v++) {
+                    const VI nib = VLOAD(g + no + 64 * v);
+                    cv[v] = VAND(nib, m4);
+                    cv[v + 4] = VAND(VSRL16(nib, 4), m4);
+                }
+                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                    const VI qh = VLOAD(g), b4 = VSET8(0x10);
+                    cv[0] = VOR(cv[0], VAND(VSLL16(qh, 4), b4));
+                    cv[1] = VOR(cv[1], VAND(VSLL16(qh, 3), b4));
+                    cv[2] = VOR(cv[2], VAND(VSLL16(qh, 2), b4));
+                    cv[3] = VOR(cv[3], VAND(VSLL16(qh, 1), b4));
+                    cv[4] = VOR(cv[4], VAND(qh, b4));
+                    cv[5] = VOR(cv[5], VAND(VSRL16(qh, 1), b4));
+                    cv[6] = VOR(cv[6], VAND(VSRL16(qh, 2), b4));
+                    cv[7] = VOR(cv[7], VAND(VSRL16(qh, 3), b4));
+                } else if (T == KQ_Q6_K) {
+                    const VI q0 = VLOAD(g), q1 = VLOAD(g + 64), b45 = VSET8(0x30);
+                    cv[0] = VOR(cv[0], VAND(VSLL16(q0, 4), b45));
+                    cv[1] = VOR(cv[1], VAND(VSLL16(q0, 2), b45));
+                    cv[2] = VOR(cv[2], VAND(q0, b45));
+                    cv[3] = VOR(cv[3], VAND(VSRL16(q0, 2), b45));
+                    cv[4] = VOR(cv[4], VAND(VSLL16(q1, 4), b45));
+                    cv[5] = VOR(cv[5], VAND(VSLL16(q1, 2), b45));
+                    cv[6] = VOR(cv[6], VAND(q1, b45));
+                    cv[7] = VOR(cv[7], VAND(VSRL16(q1, 2), b45));
+                }
+            }
+        }
+        const VF dv = VF16(h);
+        VF a0 = dv, a1 = dv, bm = VZEROF;
+        if (kmin) {
+            a0 = a1 = VMUL(dv, VU8F(h + 64 + 16 * j));
+            bm = VMUL(VF16(h + 32), VU8F(h + 192 + 16 * j));
+        } else if (T == KQ_Q6_K) {
+            a0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j)));
+            a1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1)));
+        }
+        const int off = T == KQ_Q5_0 ? 16 : T == KQ_Q6_K ? 32 : 0;
+        for (int c = 0; c < 8; c++) {
+            const VF a = c < 4 ? a0 : a1;
+            __m512i bits[4];
+            for (int e = 0; e < 4; e++) {
+                __m512i q;
+                if (T == KQ_Q8_0)
+                    q = _mm512_srai_epi32(_mm512_slli_epi32(cv[c], 24 - 8 * e), 24);
+                else
+                    q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(cv[c], 8 * e), _mm512_set1_epi32(0xFF)),
+                                         _mm512_set1_epi32(off));
+                const VF qf = VCVT(q);
+                const VF v = kmin ? VSUBF(VMUL(a, qf), bm) : VMUL(a, qf);
+                bits[e] = kq_bf16_bits16(v);
+            }
+            _mm512_storeu_si512((void *)(dst + (2 * c) * rstride), VOR(bits[0], VSLL32(bits[1], 16)));
+            _mm512_storeu_si512((void *)(dst + (2 * c + 1) * rstride), VOR(bits[2], VSLL32(bits[3], 16)));
+        }
+#else
+        (void)kmin;
+        for (int l = 0; l < KQ_R; l++) {
+            int c[32];
+            kq_tile_codes(T, g, l, c);
+            const float dl = f16_to_f32(h + 2 * l);
+            for (int k = 0; k < 32; k++) {
+                float v;
+                if (T == KQ_Q8_0) v = dl * (float)c[k];
+                else if (T == KQ_Q5_0) v = dl * (float)(c[k] - 16);
+                else if (T == KQ_Q6_K) v = (dl * (float)(int8_t)h[32 + 16 * (2 * j + k / 16) + l]) * (float)(c[k] - 32);
+                else v = (dl * (float)h[64 + 16 * j + l]) * (float)c[k] -
+                         f16_to_f32(h + 32 + 2 * l) * (float)h[192 + 16 * j + l];
+                dst[(k / 2) * rstride + 2 * l + (k % 2)] = f32_to_bf16(v);
+            }
+        }
+#endif
     }
     return 0;
 }

@@ -67,18 +67,28 @@ void int4_gemv_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
 void int8_logits_vnni(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
                       float *out, int is_bf16);
 
-/* ---- kquant_cpu.c: GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K blocks as stored (type: the ggml type id) ---- */
+/* ---- kquant_cpu.c: GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K values in 16-row tiles (type: the ggml type id) ---- */
 int kq_isa(void); /* the path this build runs: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 scalar */
-/* x [M, K] bf16 / float32 -> 15-bit activations: xhi, xlo int8 [M, K]; xs, xsum32 float [M, K/32]; xsum16 [M, K/16] */
+/* bytes of the tiled form of an [N, K] weight; -1: bad type or K */
+int64_t kq_packed_bytes(int type, int64_t N, int64_t K);
+/* dst = the tiled form of src [N, row_bytes] (the file's ggml blocks); -1: bad type or K */
+int kq_pack(int type, const uint8_t *src, int64_t N, int64_t K, int64_t row_bytes, uint8_t *dst);
+/* madvise(MADV_DONTNEED) on the whole pages of [p, p + n) of a file mapping (never anonymous memory) */
+int kq_release_file_pages(const void *p, int64_t n);
+/* x [M, K] bf16 / float32 -> 15-bit activations: xhi, xlo int8 [M, K]; xs, xsum32 float [M, K/32]; isum16 int32
+ * [M, K/16] */
 void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *xhi, int8_t *xlo, float *xs,
-                     float *xsum32, float *xsum16);
-/* out [M, ldo] float32 / bf16, columns 0..N-1 = activations @ W.T with W [N, row_bytes] ggml blocks; -1: bad type */
-int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const int8_t *xhi,
-              const int8_t *xlo, const float *xs, const float *xsum32, const float *xsum16, int64_t M, void *out,
-              int64_t ldo, int out_bf16);
-/* out [n, K] float32 / bf16 = rows ids of W dequantized (gguf's values); -1: bad type */
-int kq_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t n,
-                    void *out, int out_bf16);
+                     float *xsum32, int32_t *isum16);
+/* out [M, ldo] float32 / bf16, columns 0..N-1 = activations @ W.T with W tiled (kq_pack); -1: bad type */
+int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xhi, const int8_t *xlo,
+              const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
+              int out_bf16);
+/* out [n, K] float32 / bf16 = rows ids of the tiled W dequantized (gguf's values); -1: bad type */
+int kq_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *out,
+                    int out_bf16);
+/* tiles t0..t1-1 of the tiled W dequantized to bf16 in amx_pack's (layout 0) or dpbf16_pack's (1) layout; -1: bad */
+int kq_dequant_packed_bf16(int type, const uint8_t *w, int64_t N, int64_t K, int64_t t0, int64_t t1, int layout,
+                           uint16_t *P);
 
 /* ---- llama_stack.c: a Llama model's decoder layers in one call (structs: see that file) ---- */
 struct stack_model;

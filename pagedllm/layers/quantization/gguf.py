@@ -2,7 +2,7 @@
 
 | ggml type | kept as | exact? |
 |---|---|---|
-| Q8_0, Q5_0, Q4_K, Q5_K, Q6_K | the file's blocks as stored (``kquant.KQuantWeight``, ``kernels/csrc/kquant_cpu.c``) | yes |
+| Q8_0, Q5_0, Q4_K, Q5_K, Q6_K | the file's values in our 16-row tiles (``kquant.KQuantWeight``, ``kernels/csrc/kquant_cpu.c``) | yes |
 | Q4_0 (``d * (q - 8)``) | int4, group 32, zero 0 | yes (d rounded to the activation dtype) |
 | Q4_1 (``d * q + m``) | int4, group 32, zero ``m + 8 d`` | yes (scale and zero rounded to the activation dtype) |
 | Q2_K, Q3_K, IQ4_* | int4, group 32 (min-max of the dequantized values) | requantized |
@@ -34,11 +34,14 @@ _logged: set[str] = set()
 @dataclass
 class GGUFWeight:
     """One quantized GGUF matrix: ``data [rows, row_bytes]`` uint8 holds ``rows`` rows of ``shape[1]`` values as
-    ggml blocks. Rows are independent, so row permutations (llama.cpp's Q/K order) apply to ``data`` directly."""
+    ggml blocks. Rows are independent, so row permutations (llama.cpp's Q/K order) apply to ``data`` directly.
+    ``file_backed``: ``data`` is a view of the loader's copy-on-write file mapping, never written (so its pages may be
+    dropped from resident memory once the weight is converted: ``KQuantWeight.tiled``)."""
 
     ggml_type: T
     shape: tuple[int, int]
     data: torch.Tensor
+    file_backed: bool = False
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``shape`` (the loader's dequantization)."""
@@ -64,7 +67,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:  # [n_blocks, 16] -> [n_blocks, 
 def gguf_to_canonical(w: GGUFWeight) -> KQuantWeight | Int4Groups | Int8Rows:
     rows, cols = w.shape
     if kquant_supports(w.ggml_type, cols):
-        return KQuantWeight(w.ggml_type, cols, w.data)
+        return KQuantWeight(w.ggml_type, cols, w.data, file_backed=w.file_backed)
     _, type_size = GGML_QUANT_SIZES[w.ggml_type]
     if w.ggml_type in (T.Q4_0, T.Q4_1):
         blocks = w.data.reshape(-1, type_size)

@@ -263,6 +263,11 @@ def step_rows(query_lens: list[int], decode: Optional[list[bool]] = None) -> Ite
         _step.rows = prev
 
 
+def current_step_rows() -> Optional[StepRows]:
+    """The rows of the step being run (``step_rows``), or None outside one."""
+    return getattr(_step, "rows", None)
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
                 n_out: int, out_dtype: Optional[torch.dtype] = None, layout: str = INT4_OURS) -> torch.Tensor:
     """``x [T, K] @ w.T -> [T, n_out]`` in ``out_dtype`` (default x's dtype; float32 for logits).

@@ -1,22 +1,30 @@
-"""GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights executed as stored (``kernels/csrc/kquant_cpu.c``).
+"""GGUF Q8_0 / Q5_0 / Q4_K / Q5_K / Q6_K weights executed with the file's own values (``kernels/csrc/kquant_cpu.c``).
 
-A ``KQuantWeight`` is the file's own bytes (``data [N, row_bytes]`` uint8, ggml blocks, usually a view of the
-memory-mapped GGUF): no requantization and no repack, so resident weight memory is the file's tensor bytes and
-loading copies nothing. (A repack was not needed for exactness or SIMD: ggml's layouts already put 32 consecutive
-codes of a group in one 32-byte load, the kernel decodes them in registers with a few instructions per 32 weights,
-and Q4_K's 6-bit scales cost ~1 instruction per group to unpack.) The activations are quantized per 32 inputs to 15
-bits (``quantize_activations``); the u8 x s8 products are summed exactly in int32 and the block scales applied in
-float32.
+A ``KQuantWeight`` holds either the file's bytes (``data [N, row_bytes]`` uint8, ggml blocks, a view of the
+memory-mapped GGUF) or, after ``tiled()`` (done once at load, in C: 3 s for Qwen2.5-0.5B's 485 MB on one loaded
+core), our tiled form: 16 output
+rows interleaved per tile so that one 32-bit SIMD lane holds 4 consecutive codes of one row (the layout of
+``vpdpbusd`` / ``vpmaddubsw`` against a broadcast word of activations). Every code, scale and min is the file's own
+(no requantization; ``dequantize`` gives gguf's values back); Q8_0 / Q5_0 / Q6_K tiles are the file's size, Q4_K /
+Q5_K's 6-bit scales are unpacked to bytes (+2.8 % / +2.3 %). The file's view is dropped once tiled, so resident
+weight memory is the tiled bytes (the mapped pages are dropped: ``file_backed``). A decode GEMV streams each tile
+once, sequentially (prefetching 4 KB ahead), 16 rows per instruction, with the block scales applied per group to one
+float32 accumulator per row (the epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
+along K before: 2.5-3x the memory floor at decode; now 1.15-1.6x, see the issue-20 report.)
+
+The activations are quantized per 32 inputs to 15 bits (``quantize_activations``); the u8 x s8 products are summed
+exactly in int32 and the block scales applied in float32.
 
 Error: per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15, far below a bf16 rounding),
-so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 accumulation; ``tests/test_kquant.py`` checks it
+so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 arithmetic; ``tests/test_kquant.py`` checks it
 against ``gguf.quants.dequantize`` and a float64 matmul. Every M runs the same per-row arithmetic (batch
-invariance: a row's result does not depend on the other rows of the call), and every ISA (AVX512-VNNI, AVX-VNNI,
-AVX2, scalar) the same bits.
+invariance: a row's result does not depend on the other rows of the call, nor on the thread count), and every ISA
+(AVX512-VNNI, AVX-VNNI, AVX2, scalar) gives the same bits.
 
-Speed (one row per weight row pass, up to 4 activation rows sharing each decoded group): see benchmarks in the
-issue-20 report; prefill is the same integer path (no bf16 GEMM on dequantized tiles), which keeps batch invariance
-but is slower than a dense AMX / AVX512-BF16 GEMM for long prompts.
+Prefill rows (marked by the model runner, ``step_rows``) of bf16 layers go through ``kquant_prefill_bf16`` where the
+level has a packed bf16 GEMM and the kquant build is AVX-512: slabs of <= 2M weights dequantized to bf16 straight into
+the AMX / dpbf16 kernel's packed layout, multiplied, dropped (no full dequantized copy). Their weights are rounded once
+to bf16 (like a bf16 model's); the row kind, never the row count, picks the path (batch invariance).
 """
 
 from __future__ import annotations
@@ -41,18 +49,51 @@ def get_lib() -> Optional[ctypes.CDLL]:
 
 @dataclass
 class KQuantWeight:
-    """``data [N, row_bytes]`` uint8: N rows of ``n_in`` inputs as ggml blocks of ``ggml_type`` (bytes as stored)."""
+    """``rows`` x ``n_in`` weights of ``ggml_type``: ``data`` is ``[rows, row_bytes]`` uint8 ggml blocks as stored in
+    the file, or (``is_tiled``) the 1-D tiled form of ``kq_pack`` (``kquant_cpu.c``). ``file_backed``: ``data`` is a
+    view of a read-only (or never written copy-on-write) file mapping, whose pages ``tiled()`` drops from resident
+    memory once copied (they would otherwise stay resident while the mapping lives: two copies)."""
 
     ggml_type: T
     n_in: int
     data: torch.Tensor
+    n_rows: int = -1
+    is_tiled: bool = False
+    file_backed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_rows < 0:
+            if self.is_tiled:
+                raise ValueError("a tiled KQuantWeight needs n_rows")
+            self.n_rows = self.data.shape[0]
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        return self.n_rows
+
+    def tiled(self, lib: Optional[ctypes.CDLL] = None) -> "KQuantWeight":
+        """This weight in the kernel's tiled layout (a new buffer; ``self`` if already tiled).
+
+        Raises:
+            ValueError: for a type or ``n_in`` the kernel doesn't take.
+        """
+        if self.is_tiled:
+            return self
+        lib = lib or get_lib()
+        nbytes = lib.kq_packed_bytes(int(self.ggml_type), self.rows, self.n_in)
+        if nbytes < 0:
+            raise ValueError(f"kquant: unsupported type {self.ggml_type.name} or n_in {self.n_in}")
+        src = self.data.contiguous()
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        lib.kq_pack(int(self.ggml_type), src.data_ptr(), self.rows, self.n_in, src.shape[1], out.data_ptr())
+        if self.file_backed and src.data_ptr() == self.data.data_ptr():
+            lib.kq_release_file_pages(src.data_ptr(), src.numel())
+        return KQuantWeight(self.ggml_type, self.n_in, out, self.rows, True)
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, n_in]``, the values ``gguf.quants.dequantize`` gives."""
+        if self.is_tiled:
+            return dequantize_rows(self, torch.arange(self.rows), torch.float32)
         from pagedllm.model_loader.gguf_loader import dequantize_blocks
 
         return dequantize_blocks(self.data.reshape(-1), self.ggml_type, (self.rows, self.n_in))
@@ -62,16 +103,43 @@ def kquant_supports(ggml_type: T, n_in: int) -> bool:
     return ggml_type in KQUANT_TYPES and n_in % GGML_QUANT_SIZES[ggml_type][0] == 0 and get_lib() is not None
 
 
-@dataclass
 class QuantizedActivations:
-    """``x [M, K]`` as the kernel takes it: ``hi, lo [M, K]`` int8 (xq = 128 hi + lo, |xq| <= 16256), per block of
-    32 the float32 scale ``xs [M, K/32]`` and ``xs * sum(xq)`` (``sum32 [M, K/32]``, ``sum16 [M, K/16]`` per half)."""
+    """``x [M, K]`` as the kernel takes it, in one buffer: ``hi, lo [M, K]`` int8 (xq = 128 hi + lo,
+    |xq| <= 16256), per block of 32 the float32 scale ``xs [M, K/32]`` and ``xs * sum(xq)`` (``sum32 [M, K/32]``),
+    and the exact int32 sums of xq per half block (``isum16 [M, K/16]``). The views are made on demand (a decode
+    step quantizes ~100 activations: one allocation each keeps the per-call overhead at a few microseconds)."""
 
-    hi: torch.Tensor
-    lo: torch.Tensor
-    xs: torch.Tensor
-    sum32: torch.Tensor
-    sum16: torch.Tensor
+    def __init__(self, m: int, k: int) -> None:
+        self.m, self.k = m, k
+        self.buf = torch.empty(2 * m * k + 4 * m * (k // 32) * 2 + 4 * m * (k // 16), dtype=torch.uint8)
+        base = self.buf.data_ptr()
+        n32 = m * (k // 32)
+        self.ptrs = (base, base + m * k, base + 2 * m * k, base + 2 * m * k + 4 * n32, base + 2 * m * k + 8 * n32)
+
+    def _view(self, i: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        off = self.ptrs[i] - self.ptrs[0]
+        size = self.m * cols * torch.empty((), dtype=dtype).element_size()
+        return self.buf[off : off + size].view(dtype).view(self.m, cols)
+
+    @property
+    def hi(self) -> torch.Tensor:
+        return self._view(0, torch.int8, self.k)
+
+    @property
+    def lo(self) -> torch.Tensor:
+        return self._view(1, torch.int8, self.k)
+
+    @property
+    def xs(self) -> torch.Tensor:
+        return self._view(2, torch.float32, self.k // 32)
+
+    @property
+    def sum32(self) -> torch.Tensor:
+        return self._view(3, torch.float32, self.k // 32)
+
+    @property
+    def isum16(self) -> torch.Tensor:
+        return self._view(4, torch.int32, self.k // 16)
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[M, K]``: the activations the matmul actually multiplies (for error bounds in tests)."""
@@ -86,29 +154,26 @@ def quantize_activations(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> 
         x = x.float()
     x = x.contiguous()
     m, k = x.shape
-    hi = torch.empty(m, k, dtype=torch.int8)
-    lo = torch.empty(m, k, dtype=torch.int8)
-    xs = torch.empty(m, k // 32)
-    s32 = torch.empty(m, k // 32)
-    s16 = torch.empty(m, k // 16)
-    lib.kq_quantize_act(x.data_ptr(), m, k, int(x.dtype == torch.bfloat16), hi.data_ptr(), lo.data_ptr(),
-                        xs.data_ptr(), s32.data_ptr(), s16.data_ptr())
-    return QuantizedActivations(hi, lo, xs, s32, s16)
+    a = QuantizedActivations(m, k)
+    lib.kq_quantize_act(x.data_ptr(), m, k, int(x.dtype == torch.bfloat16), *a.ptrs)
+    return a
 
 
 def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], out_dtype: torch.dtype,
                   lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
     """``x @ cat(weights).T -> [M, sum N_i]`` in ``out_dtype`` (bf16 / float32): each weight (any supported type,
-    same ``n_in``) writes its own columns of the one output (a fused qkv / gate_up layer needs no cat)."""
+    same ``n_in``) writes its own columns of the one output (a fused qkv / gate_up layer needs no cat). Weights not
+    yet tiled are tiled for this call (layers tile theirs once at load)."""
     lib = lib or get_lib()
-    m, k = acts.hi.shape
+    weights = [w.tiled(lib) for w in weights]
+    m, k = acts.m, acts.k
+    p_hi, p_lo, p_xs, p_s32, p_i16 = acts.ptrs
     n_total = sum(w.rows for w in weights)
     out = torch.empty(m, n_total, dtype=out_dtype)
     esize = out.element_size()
     col = 0
     for w in weights:
-        rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, w.data.shape[1], acts.hi.data_ptr(),
-                           acts.lo.data_ptr(), acts.xs.data_ptr(), acts.sum32.data_ptr(), acts.sum16.data_ptr(), m,
+        rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, p_hi, p_lo, p_xs, p_s32, p_i16, m,
                            out.data_ptr() + col * esize, n_total, int(out_dtype == torch.bfloat16))
         if rc != 0:
             raise ValueError(f"kquant_matmul: unsupported ggml type {w.ggml_type.name}")
@@ -116,11 +181,84 @@ def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], o
     return out
 
 
+# Prefill slabs: at most this many weights dequantized to bf16 at once (4 MB), so no full bf16 copy is ever held.
+PREFILL_SLAB_WEIGHTS = 1 << 21
+
+
+def prefill_backend(lib: Optional[ctypes.CDLL] = None):
+    """``(LinearBackend, its library, layout id)`` for prefill rows (``kq_dequant_packed_bf16`` writes that
+    backend's packed layout: 0 AMX, 1 dpbf16), or None: no packed bf16 kernel at this level, or the kquant build
+    is not AVX-512 (its dequantization to bf16 would be scalar, slower than the integer kernel)."""
+    from pagedllm.layers.packed_linear import linear_backend
+
+    lib = lib or get_lib()
+    if lib is None or lib.kq_isa() != 3:
+        return None
+    found = linear_backend(32, 32)
+    if found is None:
+        return None
+    backend, kern = found
+    layout = {"amx": 0, "dpbf16": 1}.get(backend.name)
+    return None if layout is None else (backend, kern, layout)
+
+
+def kquant_prefill_bf16(x: torch.Tensor, weights: Sequence[KQuantWeight], found, lib: Optional[ctypes.CDLL] = None
+                        ) -> torch.Tensor:
+    """``x [T, K]`` bf16 ``@ cat(weights).T -> [T, N]`` bf16 through the packed bf16 GEMM of ``found``
+    (``prefill_backend``): slab by slab, each weight's rows are dequantized (gguf's values, rounded once to bf16)
+    into the kernel's layout and multiplied (float32 sums, one rounding). A row's result does not depend on the other
+    rows (the backends are batch invariant). Every weight's rows must be a multiple of 32."""
+    lib = lib or get_lib()
+    backend, kern, layout = found
+    linear = getattr(kern, backend.linear)
+    x = x.contiguous()
+    m, k = x.shape
+    n_total = sum(w.rows for w in weights)
+    out = torch.empty(m, n_total, dtype=torch.bfloat16)
+    slab_rows = max(64, PREFILL_SLAB_WEIGHTS // k // 64 * 64)
+    buf = torch.empty(min(slab_rows, max(w.rows for w in weights)) * k, dtype=torch.bfloat16)
+    col = 0
+    for w in weights:
+        w = w.tiled(lib)
+        for r0 in range(0, w.rows, slab_rows):
+            r1 = min(w.rows, r0 + slab_rows)
+            rc = lib.kq_dequant_packed_bf16(int(w.ggml_type), w.data.data_ptr(), w.rows, k, r0 // 16, r1 // 16, layout,
+                                            buf.data_ptr())
+            if rc != 0:
+                raise ValueError(f"kquant_prefill_bf16: bad type {w.ggml_type.name} or rows {w.rows}")
+            if r0 == 0 and r1 == n_total:
+                linear(x.data_ptr(), m, k, buf.data_ptr(), r1 - r0, None, out.data_ptr(), 0)
+            else:
+                y = torch.empty(m, r1 - r0, dtype=torch.bfloat16)
+                linear(x.data_ptr(), m, k, buf.data_ptr(), r1 - r0, None, y.data_ptr(), 0)
+                out[:, col + r0 : col + r1] = y
+        col += w.rows
+    return out
+
+
 def kquant_linear(x: torch.Tensor, weights: Sequence[KQuantWeight], out_dtype: Optional[torch.dtype] = None,
                   lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
-    """``x [T, K] @ cat(weights).T -> [T, N]`` in ``out_dtype`` (default x's dtype; float16 comes via float32)."""
+    """``x [T, K] @ cat(weights).T -> [T, N]`` in ``out_dtype`` (default x's dtype; float16 comes via float32).
+
+    Each row's kernel depends on the row's kind, never on how many rows share the call (batch invariance): rows the
+    model runner marked as prefill rows (``step_rows``) of a bf16 layer go through ``kquant_prefill_bf16`` where the
+    level has a packed bf16 GEMM (tiles dequantized to bf16: the weights rounded once to bf16, like a bf16 model);
+    decode rows and every other call run the integer kernel on the file's exact values."""
+    from pagedllm.layers.quantization.kernels import current_step_rows
+
     out_dtype = out_dtype or x.dtype
     kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    rows = current_step_rows() if x.dtype == out_dtype == torch.bfloat16 else None
+    if rows is not None and rows.num_tokens == x.shape[0] and rows.prefill is not None and all(
+            w.rows % 32 == 0 for w in weights) and x.shape[1] % 32 == 0:
+        found = prefill_backend(lib)
+        if found is not None:
+            if rows.decode is None:
+                return kquant_prefill_bf16(x, weights, found, lib)
+            out = torch.empty(x.shape[0], sum(w.rows for w in weights), dtype=torch.bfloat16)
+            out[rows.decode] = kquant_matmul(quantize_activations(x[rows.decode], lib), weights, torch.bfloat16, lib)
+            out[rows.prefill] = kquant_prefill_bf16(x[rows.prefill], weights, found, lib)
+            return out
     y = kquant_matmul(quantize_activations(x, lib), weights, kernel_dtype, lib)
     return y if kernel_dtype == out_dtype else y.to(out_dtype)
 
@@ -134,11 +272,12 @@ def dequantize_rows(w: KQuantWeight, ids: torch.Tensor, dtype: torch.dtype,
         IndexError: for an id outside ``[0, N)``.
     """
     lib = lib or get_lib()
+    w = w.tiled(lib)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.rows):
         raise IndexError(f"token id out of range [0, {w.rows})")
     kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     out = torch.empty(ids.numel(), w.n_in, dtype=kernel_dtype)
-    lib.kq_dequant_rows(int(w.ggml_type), w.data.data_ptr(), w.data.shape[1], w.n_in, ids.data_ptr(), ids.numel(),
+    lib.kq_dequant_rows(int(w.ggml_type), w.data.data_ptr(), w.rows, w.n_in, ids.data_ptr(), ids.numel(),
                         out.data_ptr(), int(kernel_dtype == torch.bfloat16))
     return out if kernel_dtype == dtype else out.to(dtype)

@@ -85,8 +85,9 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"quantized weight has {rows} output rows, expected {size} ({self.extra_repr()})")
         if all(isinstance(p, KQuantWeight) for p in parts):
             self.kind = "kquant"
-            self._kq = parts  # the tensors stay views of the mapped file (registered so the module owns them)
-            for i, p in enumerate(parts):
+            self._kq = [p.tiled() for p in parts]  # our tiled copy; the file's views are dropped with `parts`
+            parts = None
+            for i, p in enumerate(self._kq):
                 self.register_buffer(f"kq_data{i}", p.data, persistent=False)
             return
         int4 = all(isinstance(p, Int4Groups) for p in parts)
@@ -193,7 +194,7 @@ class QuantEmbedding(nn.Module):
             w = gguf_to_canonical(w)
             if isinstance(w, KQuantWeight):
                 self.kind = "kquant"
-                self._kq = w
+                self._kq = w = w.tiled()
                 self.register_buffer("kq_data", w.data, persistent=False)
                 return
             if isinstance(w, Int4Groups):
