@@ -121,3 +121,26 @@ def test_duplicate_request_id():
     with pytest.raises(ValueError, match="already in use"):
         m.add_request(_req("x", CHOICE))
     m.shutdown()
+
+
+def test_warm_up_builds_the_backend_once_in_the_pool():
+    """warm_up returns at once and builds the backend in the pool; a compile asking meanwhile gets the same one."""
+    import threading as th
+
+    from pagedllm.config import StructuredOutputsConfig
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
+    gate, built = th.Event(), []
+
+    def make():
+        gate.wait(10)
+        built.append(object())
+        return built[-1]
+
+    mgr = StructuredOutputManager(StructuredOutputsConfig(), make)
+    mgr.warm_up()
+    assert not built  # not waited for
+    other = mgr._pool.submit(mgr._backend_now)
+    gate.set()
+    assert other.result(10) is mgr._backend_now() and len(built) == 1
+    mgr.shutdown()

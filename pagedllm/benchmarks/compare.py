@@ -483,7 +483,7 @@ def _fmt(v: Optional[float]) -> str:
 def ratio(row: Row, peer: str) -> Optional[float]:
     """How many times better ours is than ``peer`` on this row (>1: ours better)."""
     o, p = row.ours, row.peers.get(peer)
-    if not o or not p:
+    if not o or not p or o < 0 or p < 0:  # a difference of medians can be negative: no ratio then
         return None
     return o / p if row.higher_better else p / o
 

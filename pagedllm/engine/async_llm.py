@@ -169,7 +169,7 @@ class CallResult:
     error: Optional[BaseException]
 
 
-_CALLABLE = frozenset({"reset_prefix_cache"})
+_CALLABLE = frozenset({"reset_prefix_cache", "warm_up_structured_outputs"})
 
 
 def _engine_loop(engine: LLMEngine, get_inbox: Callable[[bool, float], Optional[list]],

@@ -181,5 +181,13 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def warm_up_structured_outputs(self) -> bool:
+        """Starts building the structured-output backend in its pool (no wait); False without structured outputs."""
+        so = self.engine_core.structured_output_manager
+        if so is None:
+            return False
+        so.warm_up()
+        return True
+
     def get_tokenizer(self):
         return self.tokenizer

@@ -106,6 +106,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return "; ".join(seen[:5]) or "Invalid request", param, code
 
 
+async def _warm_up(engine) -> None:
+    """Asks the engine to start building its grammar backend (in its pool) while the server waits for requests."""
+    try:
+        await engine.call_in_engine("warm_up_structured_outputs")
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only a head start: the first constrained request builds it anyway
+        logger.debug("structured outputs warm-up skipped: %s", e)
+
+
 async def _until_disconnect(request: Request, work: Awaitable) -> Any:
     """Runs ``work``; if the client disconnects first, cancels it (which aborts its engine requests)."""
     task = asyncio.ensure_future(work)
@@ -186,7 +196,9 @@ def build_app(engine: Union[AsyncLLM, EngineArgs], api_key: Optional[Union[str, 
     async def lifespan(app: FastAPI):
         app.state.loop = asyncio.get_running_loop()
         watcher = asyncio.ensure_future(watch_engine(app))
+        warm = asyncio.ensure_future(_warm_up(engine))  # never holds up start-up
         yield
+        warm.cancel()
         app.state.shutting_down = True
         watcher.cancel()
         if shutdown_engine:
