@@ -237,3 +237,32 @@ def test_serve_sets_bounded_openmp_spin_before_torch_loads(command, env, expecte
     out = subprocess.run([sys.executable, "-c", code, command], env={**base, **env}, capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["False", str(expected)]
+
+
+@pytest.mark.parametrize("vocab,n_rows", [(49152, 16), (1000, 3), (151936, 2), (33, 1)])
+def test_apply_token_bitmask_matches_the_bit_definition(vocab, n_rows):
+    """Our bitmask pass equals the definition (bit t of word t // 32 of row i; 0 masks to -inf) and xgrammar's own
+    CPU kernel, for sparse (JSON-like), dense and all-ones words, rows picked out of a larger batch, a vocabulary not
+    a multiple of 32, and a bitmask wider than the logits (the model's padded width)."""
+    import xgrammar as xgr
+
+    torch.manual_seed(vocab)
+    words = (vocab + 31) // 32 + 1  # wider than needed
+    n_logits = n_rows + 3
+    bm = torch.randint(-2**31, 2**31 - 1, (n_rows, words), dtype=torch.int32)
+    bm[:, ::3] = 0  # all masked
+    bm[:, 1::5] = -1  # all allowed
+    rows = torch.randperm(n_logits)[:n_rows].to(torch.int64)
+    logits = torch.randn(n_logits, vocab)
+    got = logits.clone()
+    assert cpu_kernels.apply_token_bitmask(got, bm, rows)
+    bits = ((bm.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1).view(n_rows, -1)[:, :vocab].bool()
+    ref = logits.clone()
+    for i, r in enumerate(rows.tolist()):
+        ref[r] = torch.where(bits[i], logits[r], torch.tensor(float("-inf")))
+    assert torch.equal(got, ref)
+    theirs = logits.clone()
+    full = torch.full((n_logits, words), -1, dtype=torch.int32)
+    full[rows] = bm
+    xgr.apply_token_bitmask_inplace(theirs, full, vocab_size=vocab, indices=rows.tolist())
+    assert torch.equal(got, theirs)

@@ -215,6 +215,7 @@ LEVEL_SUITE = [
     "tests/test_cpu_ops.py::test_silu_and_mul_matches_torch",
     "tests/test_cpu_ops.py::test_rope_and_cache_matches_torch_path",
     "tests/test_cpu_ops.py::test_argmax_rows_matches_torch_including_ties_and_nan",
+    "tests/test_cpu_ops.py::test_apply_token_bitmask_matches_the_bit_definition",
     "tests/test_cpu_ops.py::test_packed_linear_equals_f_linear",
     "tests/test_cpu_ops.py::test_pack_linear_weights_replaces_linears_and_tied_head",
     "tests/test_quantization.py::test_gguf_linear_equals_dequantized",

@@ -50,6 +50,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "add_rms_norm_bf16": _RMS, "add_rms_norm_f32": _RMS,
         "rope_cache_bf16": _ROPE, "rope_cache_f32": _ROPE,
         "argmax_rows_f32": _ROWS, "argmax_rows_bf16": _ROWS, "silu_mul_bf16": _ROWS, "silu_mul_f32": _ROWS,
+        "apply_token_bitmask_f32": Fn((P, I64, P, I64, P, I64, I64)),
     }, _FAST_MATH),
     Library("amx", ("amx_linear.c", "amx_attention.c"), ("amx",), {
         "amx_supported": Fn((), I32),

@@ -136,13 +136,18 @@ def apply_bitmask(logits, bitmask, rows: list[int]):
     """Sets ``logits[rows[j], t] = -inf`` where bit ``t`` of ``bitmask[j]`` is 0.
 
     logits ``[N, V]`` (any float dtype), bitmask int32 ``[len(rows), ceil(V / 32)]``. Returns the masked logits:
-    ``logits`` itself when float32 and contiguous (masked in place with xgrammar's CPU kernel), else a float32 copy
+    ``logits`` itself when float32 and contiguous (masked in place by our C kernel, ``cpu_ops.c``; xgrammar's CPU
+    kernel where ours doesn't load), else a float32 copy
     (the sampler works in float32 anyway).
     """
     import torch
 
+    from pagedllm.attention.cpu_kernels import apply_token_bitmask
+
     if logits.dtype != torch.float32 or not logits.is_contiguous():
         logits = logits.float().contiguous()
+    if apply_token_bitmask(logits, bitmask.contiguous(), torch.tensor(rows, dtype=torch.int64)):
+        return logits
     if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
         full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
         full[rows] = bitmask

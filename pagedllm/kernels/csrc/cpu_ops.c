@@ -197,3 +197,30 @@ void NAME(T* qkv, int64_t row_stride, const T* cs, int64_t cs_stride, T* cache_k
 
 DEFINE_ROPE_CACHE(rope_cache_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_ROPE_CACHE(rope_cache_f32, float, f32_id, f32_id, f32_id)
+
+/* Structured outputs: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (xgrammar's token bitmask: int32
+ * words, bit t % 32 of word t / 32, 1 = allowed), for t < vocab.
+ *   logits [*, ld] float32; rows [n_rows] int64 (logit row of bitmask row i); bitmask [n_rows, words] int32.
+ * A word of all ones is skipped, one of zeros set with a plain loop the compiler vectorizes: a JSON grammar
+ * allows few tokens, so the pass is ~one write of the masked rows. */
+void apply_token_bitmask_f32(float *logits, int64_t ld, const int64_t *rows, int64_t n_rows, const int32_t *bitmask,
+                             int64_t words, int64_t vocab) {
+    const float neg = -INFINITY;
+#pragma omp parallel for schedule(static) if (n_rows * vocab > (1 << 18))
+    for (int64_t i = 0; i < n_rows; ++i) {
+        float *row = logits + rows[i] * ld;
+        const uint32_t *bm = (const uint32_t *)(bitmask + i * words);
+        for (int64_t w = 0; w < words; ++w) {
+            const uint32_t m = bm[w];
+            if (m == 0xFFFFFFFFu) continue;
+            const int64_t t0 = w * 32, n = vocab - t0 < 32 ? vocab - t0 : 32;
+            if (n <= 0) break;
+            if (m == 0) {
+                for (int64_t j = 0; j < n; ++j) row[t0 + j] = neg;
+                continue;
+            }
+            for (int64_t j = 0; j < n; ++j)
+                if (!((m >> j) & 1u)) row[t0 + j] = neg;
+        }
+    }
+}
