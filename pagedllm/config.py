@@ -182,6 +182,9 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     reasoning_parser: Optional[str] = None
     max_compile_threads: int = 2  # grammar compilation runs in this many threads, off the engine thread
+    # Ours: how long the step that samples a request's first token may wait, after its forward pass, for that
+    # request's grammar to finish compiling (else the request samples in a later step; structured_output/manager.py).
+    max_sample_wait_ms: float = 10.0
 
     @classmethod
     def parse(cls, value: Any, reasoning_parser: Optional[str] = None) -> "StructuredOutputsConfig":
@@ -211,6 +214,9 @@ class StructuredOutputsConfig:
         if value["backend"] not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"structured_outputs_config backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
                              f"got {value['backend']!r}.")
+        w = value.get("max_sample_wait_ms", 10.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1000:
+            raise ValueError(f"structured_outputs_config max_sample_wait_ms must be a number in [0, 1000], got {w!r}.")
         if reasoning_parser is not None:
             value["reasoning_parser"] = reasoning_parser
         if value.get("reasoning_parser") not in (None, *REASONING_PARSERS):

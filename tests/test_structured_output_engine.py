@@ -127,3 +127,85 @@ def test_abort_while_waiting_for_grammar(llm):
     finally:
         release.set()
         so_mgr._compile = real_compile
+
+
+def _hold_compiles(so_mgr):
+    """Makes every compile wait for the returned event (then compile for real); returns (event, undo)."""
+    release = threading.Event()
+    real_compile = so_mgr._compile
+    so_mgr._compile = lambda key: (release.wait(60), real_compile(key))[1]
+
+    def undo():
+        release.set()
+        so_mgr._compile = real_compile
+
+    return release, undo
+
+
+def _run(eng, rid):
+    tokens = []
+    while eng.has_unfinished_requests():
+        for ro in eng.step():
+            if ro.request_id == rid and ro.finished:
+                tokens = ro.outputs[0].token_ids
+    return list(tokens)
+
+
+def test_compile_done_during_the_forward_samples_in_that_step(llm):
+    """A new grammar whose compile finishes while the step that computes the request's whole prompt runs: the
+    first token is sampled in that same step (no extra step for the grammar), under the mask."""
+    eng = llm.llm_engine
+    so_mgr = eng.engine_core.structured_output_manager
+    runner = eng.engine_core.runner
+    release, undo = _hold_compiles(so_mgr)
+    real_execute = runner.execute_model
+
+    def execute_and_release(sched):
+        release.set()  # the compile runs beside this step's forward pass
+        return real_execute(sched)
+
+    runner.execute_model = execute_and_release
+    wait_s, so_mgr.sample_wait_s = so_mgr.sample_wait_s, 60.0  # a loaded machine may compile slower than the forward
+    unsampled = so_mgr.num_unsampled
+    try:
+        eng.add_request("same-step", "Pick a letter:", SamplingParams(temperature=0, max_tokens=4, structured_outputs=(
+            StructuredOutputsParams(regex="(q|z)[0-9]{3}"))))
+        outs = [ro for ro in eng.step() if ro.request_id == "same-step"]
+        assert outs and len(outs[0].outputs[0].token_ids) >= 1, "no token in the step that computed the prompt"
+        assert so_mgr.num_unsampled == unsampled
+        assert eng.engine_core.scheduler.requests["same-step"].awaiting_grammar is False
+        _run(eng, "same-step")
+    finally:
+        del runner.execute_model
+        so_mgr.sample_wait_s = wait_s
+        undo()
+
+
+def test_seeded_request_that_missed_its_compile_samples_the_same_tokens(llm):
+    """The step that computed the prompt couldn't wait for the compile: the request drew nothing (its seeded
+    generator is put back), computed its last prompt token again once the grammar was ready, and sampled exactly
+    what it samples with the grammar already compiled."""
+    import re
+
+    eng = llm.llm_engine
+    so_mgr = eng.engine_core.structured_output_manager
+    regex = "(yes|no|maybe), because [a-z ]{4,30}\\."
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=30,
+                        structured_outputs=StructuredOutputsParams(regex=regex))
+    release, undo = _hold_compiles(so_mgr)
+    unsampled = so_mgr.num_unsampled
+    try:
+        eng.add_request("missed", "Is the sky blue? Answer:", sp)
+        assert not [ro for ro in eng.step() if ro.request_id == "missed"]
+        assert so_mgr.num_unsampled == unsampled + 1
+        req = eng.engine_core.scheduler.requests["missed"]
+        assert req.awaiting_grammar and req.num_computed_tokens == req.num_prompt_tokens - 1
+        release.set()
+        missed = _run(eng, "missed")
+    finally:
+        undo()
+    eng.add_request("cached", "Is the sky blue? Answer:", sp)  # the grammar is cached now
+    cached = _run(eng, "cached")
+    assert so_mgr.num_unsampled == unsampled + 1
+    assert missed == cached and missed
+    assert re.fullmatch(regex, llm.get_tokenizer().decode(missed, skip_special_tokens=True))

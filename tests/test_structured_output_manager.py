@@ -73,11 +73,11 @@ def test_cache_and_rows():
     _ready(m, prefill)
     reqs["c"] = prefill
     reqs["plain"] = SimpleNamespace(num_computed_tokens=1, num_tokens=1)
-    bitmask, rows = m.grammar_bitmask(_sched(reqs), reqs)
+    bitmask, rows, _ = m.grammar_bitmask(_sched(reqs), reqs)
     assert set(rows) == {"a", "b"} and bitmask.shape[0] == 2
     assert _allowed(bitmask, rows["a"]) == {YES, NO, 6}  # "y" starts "yes"
     assert m.accept_tokens("a", [YES])
-    bitmask, rows = m.grammar_bitmask(_sched(["a"]), reqs)
+    bitmask, rows, _ = m.grammar_bitmask(_sched(["a"]), reqs)
     assert _allowed(bitmask, rows["a"]) == {EOS}  # done: only EOS
     assert not m.accept_tokens("b", [HMM])  # rejected: b is no longer constrained (logged)
     m.remove_requests(["a", "b", "c"])
@@ -98,7 +98,7 @@ def test_no_mask_while_thinking_then_grammar():
     assert m.grammar_bitmask(_sched(reqs), reqs) is None  # R1 starts thinking: unconstrained
     assert m.accept_tokens("r", [HMM, HMM, NO])  # inside the reasoning: not fed to the grammar
     assert m.accept_tokens("r", [END])
-    bitmask, rows = m.grammar_bitmask(_sched(reqs), reqs)
+    bitmask, rows, _ = m.grammar_bitmask(_sched(reqs), reqs)
     assert _allowed(bitmask, rows["r"]) == {YES, NO, 6}  # the grammar starts after </think>
     assert m.accept_tokens("r", [NO]) and not m.accept_tokens("r", [NO])
 
@@ -106,7 +106,7 @@ def test_no_mask_while_thinking_then_grammar():
 def test_qwen3_may_open_think_with_its_first_token():
     m = _mgr("qwen3")
     reqs = _ready(m, _req("q", CHOICE), _req("p", CHOICE, prompt=(7, THINK)), _req("d", CHOICE, prompt=(THINK, END)))
-    bitmask, rows = m.grammar_bitmask(_sched(reqs), reqs)
+    bitmask, rows, _ = m.grammar_bitmask(_sched(reqs), reqs)
     assert "p" not in rows  # the prompt left a <think> open
     assert _allowed(bitmask, rows["q"]) == {YES, NO, 6, THINK}
     assert _allowed(bitmask, rows["d"]) == {YES, NO, 6}  # the prompt closed it
@@ -144,3 +144,37 @@ def test_warm_up_builds_the_backend_once_in_the_pool():
     gate.set()
     assert other.result(10) is mgr._backend_now() and len(built) == 1
     mgr.shutdown()
+
+
+def test_a_compiling_request_that_samples_waits_a_bounded_time_then_gets_its_matcher():
+    """The mask thread waits for a compile until the runner needs the mask plus ``sample_wait_s``, no longer; the
+    request is then ``unsampled`` and stays pending. Once compiled, a sampling step adopts it (``finish_step``)."""
+    import threading
+    import time
+
+    m = _mgr()
+    m.sample_wait_s = 0.05
+    release = threading.Event()
+    real_compile = m._compile
+    m._compile = lambda key: (release.wait(10), real_compile(key))[1]
+    r = _req("w", StructuredOutputsParams(regex="y(es)?"))
+    m.add_request(r)
+    reqs = {"w": r}
+    try:
+        handle = m.grammar_bitmask_async(_sched(reqs), reqs)
+        time.sleep(0.1)
+        assert not handle.future.done()  # the forward pass hasn't asked for the mask yet: it waits
+        t0 = time.monotonic()
+        gb = handle.result()
+        waited = time.monotonic() - t0
+        assert gb.unsampled == {"w"} and gb.row_of == {} and 0.04 <= waited < 2.0
+        assert m.finish_step() == [] and m.has_pending()
+        release.set()
+        m.wait_pending(5)
+        gb = m.grammar_bitmask_async(_sched(reqs), reqs).result()
+        assert gb.row_of == {"w": 0} and not gb.unsampled
+        assert _allowed(gb.bitmask, 0) == {YES, 6}
+        assert m.finish_step() == [r] and not m.has_pending() and m.has_constrained()
+    finally:
+        release.set()
+        m.shutdown()

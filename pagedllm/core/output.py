@@ -82,13 +82,17 @@ class ModelRunnerOutput:
     after them, 1 to ``1 + len(drafts)`` tokens).
 
     ``spec_token_ids[i]`` (speculative decoding; None when off): draft tokens proposed to follow the request's
-    tokens after this step, for the next one (may be empty)."""
+    tokens after this step, for the next one (may be empty).
+
+    ``unsampled_req_ids``: requests whose last token was computed but not sampled (structured outputs: the grammar
+    was still compiling); the scheduler counts that token as not computed, so a later step computes it again."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: Optional[dict[str, LogprobsLists]] = None  # sampled-token logprobs, for requests that asked
     prompt_logprobs: Optional[dict[str, LogprobsLists]] = None  # for prompt positions computed this step
     spec_token_ids: Optional[list[list[int]]] = None
+    unsampled_req_ids: frozenset = frozenset()
 
 
 @dataclass

@@ -341,6 +341,8 @@ class Scheduler:
                 continue  # aborted meanwhile
             sampled = out.sampled_token_ids[index[rid]] if rid in index else []
             req.num_computed_tokens += n
+            if out.unsampled_req_ids and rid in out.unsampled_req_ids:
+                req.num_computed_tokens -= 1  # computed again in the step that samples it
             if spec_decode_tokens:
                 drafts = spec_decode_tokens.get(rid)
                 if drafts:  # rejected drafts aren't computed: their slots are overwritten later

@@ -76,7 +76,10 @@ class EngineCore:
                 raise ValueError("structured_outputs needs a tokenizer (the engine runs with skip_tokenizer_init).")
             if request.request_id in self.scheduler.requests:
                 raise ValueError(f"request_id {request.request_id!r} is already in use.")
-            if so.add_request(request):  # compiling: it prefills meanwhile, up to the token it samples
+            # Compiling: it prefills meanwhile. In process, the step that samples its first token waits for the
+            # compile a little (structured_output/manager.py); a runner in other processes can't, so the request
+            # holds that token back until the grammar is ready.
+            if so.add_request(request) and self.executor is not None:
                 request.awaiting_grammar = True
         self.scheduler.add_request(request)
 
@@ -114,11 +117,24 @@ class EngineCore:
         thread while the forward pass runs (the runner waits for it only before sampling; nothing advances the
         matchers meanwhile)."""
         so = self.structured_output_manager
-        if so is not None and so.has_constrained() and not sched.is_empty:
+        if so is not None and (so.has_constrained() or so.has_pending()) and not sched.is_empty:
             if overlap:
                 sched.grammar_bitmask = so.grammar_bitmask_async(sched, self.scheduler.requests)
             else:
                 sched.grammar_bitmask = so.grammar_bitmask(sched, self.scheduler.requests)
+
+    def _finish_grammar_step(self, out) -> None:
+        """Requests whose grammar arrived during the step sampled under it; those whose compile wasn't done in time
+        didn't sample (``out.unsampled_req_ids``: the scheduler counts their last token as not computed) and hold
+        it back until their grammar is ready."""
+        for req in self.structured_output_manager.finish_step():
+            req.awaiting_grammar = False
+        if out.unsampled_req_ids:
+            requests = self.scheduler.requests
+            for rid in out.unsampled_req_ids:
+                req = requests.get(rid)
+                if req is not None:
+                    req.awaiting_grammar = True
 
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
         """Feeds each step's accepted tokens to the matchers; forgets finished requests."""
@@ -144,12 +160,17 @@ class EngineCore:
 
             raise InjectedFault("injected fault in the model forward")
         self._attach_grammar_bitmask(sched, overlap=self.executor is None)
-        out = self.runner.execute_model(sched)
-        if hasattr(sched.grammar_bitmask, "result"):
-            sched.grammar_bitmask.result()  # the fill is done before any matcher advances
+        gb = sched.grammar_bitmask
+        try:
+            out = self.runner.execute_model(sched)
+        finally:
+            if hasattr(gb, "result"):
+                gb.result()  # the fill is done (a compile it waits for released) before any matcher advances
         if sched.is_empty:
             self._idle_on_grammars()
             return extra
+        if gb is not None:
+            self._finish_grammar_step(out)
         outputs = self.scheduler.update_from_output(sched, out)
         self._advance_grammars(outputs)
         return extra + outputs if extra else outputs

@@ -49,9 +49,12 @@ def make_structured_output_manager(config, tokenizer, vocab_size: int, eos_token
 
 def apply_grammar_bitmask(logits, grammar_bitmask, sampled_req_ids: list[str]):
     """The model runner's step before sampling: logits ``[N, V]`` of the rows that sample (request
-    ``sampled_req_ids[i]`` in row ``i``), ``grammar_bitmask`` = ``(bitmask [R, ceil(V / 32)], {request id: row})``
-    from ``SchedulerOutput.grammar_bitmask``. Returns the masked logits (see ``apply_bitmask``)."""
-    bitmask, row_of = grammar_bitmask
+    ``sampled_req_ids[i]`` in row ``i``), ``grammar_bitmask`` = ``(bitmask [R, ceil(V / 32)] or None, {request id:
+    row}, ...)`` (a ``GrammarBitmask``) from ``SchedulerOutput.grammar_bitmask``. Returns the masked logits (see
+    ``apply_bitmask``)."""
+    bitmask, row_of = grammar_bitmask[0], grammar_bitmask[1]
+    if bitmask is None:
+        return logits
     rows, mask_rows = [], []
     for i, rid in enumerate(sampled_req_ids):
         j = row_of.get(rid)

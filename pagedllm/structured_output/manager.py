@@ -2,12 +2,19 @@
 
 Life of a constrained request (``SamplingParams.structured_outputs`` set):
 1. ``EngineCore.add_request`` calls ``add_request``: the grammar compiles in a thread pool (``(kind, spec,
-   whitespace)`` is the cache key, so a schema compiles once). The request enters the scheduler at once with
-   ``awaiting_grammar`` set: its prompt prefills (chunked prefill) up to, not including, the token whose logits it
-   samples, so the compile overlaps the prefill rather than adding to TTFT, and the batch never waits on it.
-2. ``take_ready`` (each step, before scheduling) hands back requests whose grammar is ready (each gets its own
-   matcher; the engine clears ``awaiting_grammar``) or failed (the engine finishes those as aborted; the front end
-   validated the spec, so this is rare).
+   whitespace)`` is the cache key, so a schema compiles once). The request enters the scheduler at once, and its
+   whole prompt prefills while the grammar compiles: the compile overlaps the prefill's forward pass rather than
+   adding to TTFT, and the batch never waits on it beyond a bound.
+2. The step that computes the logits of the request's first sampled token needs its mask only after the forward
+   pass (``grammar_bitmask_async``). If the compile isn't done by then, the mask thread waits for it at most
+   ``StructuredOutputsConfig.max_sample_wait_ms`` more. Done in time: the request gets its matcher there and then
+   (``finish_step`` hands it over) and samples in that step. Not done: it doesn't sample (``GrammarBitmask
+   .unsampled``: the runner draws nothing for it and the scheduler counts its last token as not computed), and
+   it holds that token back (``awaiting_grammar``) until ``take_ready`` (each step, before scheduling) finds the
+   grammar ready; then that one token is computed again and sampled. (With a runner in other processes, tensor or
+   pipeline parallel, the mask is filled before the forward and a compiling request always holds back.)
+   ``take_ready`` also finishes requests whose compile failed (aborted; the front end validated the spec, so this
+   is rare).
 3. Each step ``grammar_bitmask`` fills one int32 bitmask ``[num_constrained_rows, ceil(V / 32)]`` for the
    scheduled constrained requests that sample this step; the model runner sets the disallowed logits to -inf before
    sampling (EOS is allowed only where the grammar may end).
@@ -29,10 +36,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from pagedllm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 
@@ -49,6 +57,41 @@ class _RequestState:
     # <think> with its first token)
     reasoning: str = "done"
     failed: bool = False
+
+
+class GrammarBitmask(NamedTuple):
+    """One step's masks: ``bitmask`` int32 ``[R, ceil(V / 32)]`` (or None when no row is constrained), row
+    ``row_of[request id]`` for each constrained request that samples; ``unsampled``: requests whose logits were
+    computed this step while their grammar was still compiling: they must not sample (see the module docstring)."""
+
+    bitmask: Any
+    row_of: dict
+    unsampled: frozenset = frozenset()
+
+
+class _SampleDeadline:
+    """Set by the runner when it needs the mask (``needed_at``, monotonic s); wakes the mask thread's wait."""
+
+    __slots__ = ("needed_at", "wake")
+
+    def __init__(self) -> None:
+        self.needed_at: Optional[float] = None
+        self.wake = threading.Event()
+
+
+class _MaskFuture:
+    """``grammar_bitmask_async``'s handle: ``result()`` tells the mask thread the mask is needed now, then waits."""
+
+    __slots__ = ("deadline", "future")
+
+    def __init__(self, deadline: _SampleDeadline, future: Future) -> None:
+        self.deadline = deadline
+        self.future = future
+
+    def result(self) -> Optional[GrammarBitmask]:
+        self.deadline.needed_at = time.monotonic()
+        self.deadline.wake.set()
+        return self.future.result()
 
 
 class ReasoningEnd:
@@ -113,6 +156,11 @@ class StructuredOutputManager:
         self._states: dict[str, _RequestState] = {}
         self.reasoning_end = reasoning_end
         self.num_compiles = 0  # cache misses (a stat for tests and benchmarks)
+        # Requests whose grammar finished compiling in the mask thread during this step: (request, state), handed
+        # over on the engine thread by finish_step.
+        self._adopted: dict[str, tuple[Any, _RequestState]] = {}
+        self.sample_wait_s = max(0.0, getattr(config, "max_sample_wait_ms", 10.0)) / 1000.0
+        self.num_unsampled = 0  # sampling steps missed because a compile wasn't done (a stat for tests)
 
     # ------------------------------------------------------------------ compile
     def _backend_now(self) -> StructuredOutputBackend:
@@ -171,16 +219,18 @@ class StructuredOutputManager:
             if exc is not None:
                 failed.append((req, str(exc)))
                 continue
-            grammar = self._backend_now().new_grammar(fut.result())
-            state = _RequestState(grammar)
-            if self.reasoning_end is not None:
-                state.reasoning = self.reasoning_end.initial_state(req.prompt_token_ids)
-            self._states[rid] = state
+            self._states[rid] = self._new_state(req, fut.result())
             # A request resumed here after output already exists (not the case today) replays it.
             if req.output_token_ids:
                 self.accept_tokens(rid, req.output_token_ids, lambda: list(req.output_token_ids))
             ready.append(req)
         return ready, failed
+
+    def _new_state(self, req, compiled) -> _RequestState:
+        state = _RequestState(self._backend_now().new_grammar(compiled))
+        if self.reasoning_end is not None:
+            state.reasoning = self.reasoning_end.initial_state(req.prompt_token_ids)
+        return state
 
     def wait_pending(self, timeout: Optional[float] = None) -> None:
         """Blocks until one pending compile is done, or ``timeout`` s."""
@@ -204,39 +254,112 @@ class StructuredOutputManager:
     def has_constrained(self) -> bool:
         return bool(self._states)
 
-    def grammar_bitmask(self, scheduler_output, requests: dict) -> Optional[tuple[Any, dict[str, int]]]:
-        """``(bitmask [R, ceil(V / 32)] int32, {request id: row})`` for the constrained requests of this step that
-        sample (their last scheduled token is their last known token), or None if there are none."""
+    def grammar_bitmask(self, scheduler_output, requests: dict,
+                        deadline: Optional[_SampleDeadline] = None) -> Optional[GrammarBitmask]:
+        """The masks of the constrained requests of this step that sample (their last scheduled token is their last
+        known token), or None if there are none.
+
+        A request among them whose grammar is still compiling: with ``deadline`` (the mask thread, beside the
+        forward pass) its compile gets until the runner needs the mask plus ``sample_wait_s``; without, only what is
+        done now. Those whose compile is done get their matcher here (handed over by ``finish_step``), the rest are
+        ``unsampled``."""
         rows: list[str] = []
+        compiling: list[str] = []
         states = self._states
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            st = states.get(rid)
-            if st is None or st.failed or st.reasoning == "thinking":
-                continue
             req = requests.get(rid)
             if req is None or req.num_computed_tokens + n < req.num_tokens:
                 continue  # a prompt chunk that doesn't sample yet
+            st = states.get(rid)
+            if st is None:
+                if rid in self._pending:
+                    compiling.append(rid)
+                continue
+            if st.failed or st.reasoning == "thinking":
+                continue
             rows.append(rid)
-        if not rows:
+        if not rows and not compiling:
             return None
-        backend = self._backend_now()
-        bitmask = backend.allocate_bitmask(len(rows))
+        backend = self._backend_now() if rows else None
+        bitmask = backend.allocate_bitmask(len(rows) + len(compiling)) if rows else None
         for j, rid in enumerate(rows):
-            st = states[rid]
-            if st.grammar.is_terminated():
-                continue  # allow everything: the request ends on this EOS (see accept_tokens)
-            st.grammar.fill_bitmask(bitmask, j)
-            if st.reasoning == "maybe" and self.reasoning_end.start_id is not None:
-                t = self.reasoning_end.start_id
-                bitmask[j, t // 32] |= _bit(t % 32)
-        return bitmask, {rid: j for j, rid in enumerate(rows)}
+            self._fill_row(states[rid], bitmask, j)
+        unsampled = frozenset()
+        if compiling:
+            ready = self._await_compiles(compiling, deadline)
+            unsampled = frozenset(compiling) - ready.keys()
+            for rid, state in ready.items():
+                self._adopted[rid] = (requests[rid], state)
+                if state.reasoning == "thinking":
+                    continue
+                if bitmask is None:
+                    bitmask = self._backend_now().allocate_bitmask(len(compiling))
+                self._fill_row(state, bitmask, len(rows))
+                rows.append(rid)
+        if not rows and not unsampled:
+            return None
+        return GrammarBitmask(bitmask, {rid: j for j, rid in enumerate(rows)}, unsampled)
 
-    def grammar_bitmask_async(self, scheduler_output, requests: dict) -> Optional[Future]:
-        """``grammar_bitmask`` filled in the mask thread (a future of its result), or None when no constrained
-        request samples this step. The caller must not advance matchers until the future is done."""
+    def _fill_row(self, st: _RequestState, bitmask, j: int) -> None:
+        if st.grammar.is_terminated():
+            return  # allow everything: the request ends on this EOS (see accept_tokens)
+        st.grammar.fill_bitmask(bitmask, j)
+        if st.reasoning == "maybe" and self.reasoning_end.start_id is not None:
+            t = self.reasoning_end.start_id
+            bitmask[j, t // 32] |= _bit(t % 32)
+
+    def _await_compiles(self, rids: list[str], deadline: Optional[_SampleDeadline]) -> dict[str, _RequestState]:
+        """The requests among ``rids`` whose grammar compiled, each with a new matcher state (see
+        ``grammar_bitmask`` for how long this waits)."""
+        futs = {rid: self._pending[rid] for rid in rids}
+        if deadline is not None:
+            wake = deadline.wake
+            for _, f in futs.values():
+                if not f.done():
+                    f.add_done_callback(lambda _f: wake.set())
+            while True:
+                wake.clear()
+                if all(f.done() for _, f in futs.values()):
+                    break
+                if deadline.needed_at is None:
+                    wake.wait()
+                    continue
+                left = deadline.needed_at + self.sample_wait_s - time.monotonic()
+                if left <= 0:
+                    break
+                wake.wait(left)
+        ready = {}
+        for rid, (req, f) in futs.items():
+            if f.done() and f.exception() is None:
+                ready[rid] = self._new_state(req, f.result())
+        self.num_unsampled += len(rids) - len(ready)
+        return ready
+
+    def finish_step(self) -> list[Any]:
+        """After the step's mask was used (engine thread): the requests whose grammar arrived during the step get
+        their matcher for good; returns them (they sampled under it)."""
+        if not self._adopted:
+            return []
+        adopted, self._adopted = self._adopted, {}
+        out = []
+        for rid, (req, state) in adopted.items():
+            if self._pending.pop(rid, None) is not None:
+                self._states[rid] = state
+                out.append(req)
+        return out
+
+    def grammar_bitmask_async(self, scheduler_output, requests: dict) -> Optional[_MaskFuture]:
+        """``grammar_bitmask`` filled in the mask thread: a handle whose ``result()`` (called by the runner just
+        before sampling) returns it. The caller must not advance matchers or call ``finish_step`` until it is
+        done. None when no constrained or compiling request samples this step."""
+        so = scheduler_output.num_scheduled_tokens
+        if not any(rid in self._states or rid in self._pending for rid in so):
+            return None
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-mask")
-        return self._mask_pool.submit(self.grammar_bitmask, scheduler_output, requests)
+        deadline = _SampleDeadline()
+        return _MaskFuture(deadline, self._mask_pool.submit(self.grammar_bitmask, scheduler_output, requests,
+                                                            deadline))
 
     def accept_tokens(self, request_id: str, token_ids: Sequence[int],
                       history: Optional[Callable[[], list[int]]] = None) -> bool:

@@ -248,6 +248,7 @@ class ModelRunner:
         qsl = np.cumsum([0] + query_lens)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs_out: dict[str, LogprobsLists] = {}
+        unsampled: frozenset = frozenset()
         if sample_rows:
             # Speculating requests sample len(drafts) + 1 rows each (spec_decode/verify.py).
             drafts = None
@@ -267,9 +268,15 @@ class ModelRunner:
                 row_req_ids = ([req_ids[i] for i in sample_rows] if drafts is None else
                                [req_ids[i] for i, d in zip(sample_rows, drafts) for _ in range(len(d) + 1)])
                 logits = apply_grammar_bitmask(logits, gb, row_req_ids)
+                unsampled = gb.unsampled
             md = SamplingMetadata.build(rows, self.vocab_size, self.device)
             rewind = GeneratorRewind([states[i].sampler_state for i in sample_rows], drafts) if drafts else None
+            # A request whose grammar was still compiling draws nothing: its seeded generator is put back.
+            gen_saved = [(g, g.get_state()) for i in sample_rows if req_ids[i] in unsampled
+                         for g in (states[i].sampler_state.generator,) if g is not None] if unsampled else ()
             so = self.sampler(logits, md)  # None on a pipeline rank that doesn't sample (see worker.py)
+            for g, state in gen_saved:
+                g.set_state(state)
             sampled = so.sampled_token_ids.tolist() if so is not None else ()
             if drafts is None:
                 outputs, first_row = [[t] for t in sampled], range(len(sampled))
@@ -279,6 +286,8 @@ class ModelRunner:
                     rewind.advance(outputs, logits.shape[-1])
             for j, toks in enumerate(outputs):
                 i = sample_rows[j]
+                if unsampled and req_ids[i] in unsampled:
+                    continue
                 st = states[i]
                 sampled_lists[i] = toks
                 st.token_ids.extend(toks)
@@ -290,7 +299,7 @@ class ModelRunner:
                 ranks = lp.ranks.tolist()
                 for j, i in enumerate(sample_rows):
                     k = states[i].sampling_params.logprobs
-                    if k is None:
+                    if k is None or (unsampled and req_ids[i] in unsampled):
                         continue
                     r = first_row[j]
                     m = len(outputs[j])
@@ -307,6 +316,7 @@ class ModelRunner:
             logprobs=logprobs_out or None,
             prompt_logprobs=prompt_lp or None,
             spec_token_ids=spec_token_ids,
+            unsampled_req_ids=unsampled,
         )
 
     def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, verify=None):
