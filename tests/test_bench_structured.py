@@ -64,9 +64,11 @@ def test_ttft_split_by_new_seen_and_unconstrained_schema():
     """The first request (by start time) of each schema counts as "new schema", later ones as "seen"."""
     a, b = load_json_schemas()[0]["schema"], load_json_schemas()[1]["schema"]
     rs = [RequestResult(success=True, output_tokens=3, ttft=t, latency=1.0, start_time=st, schema=sc,
-                        generated_text="{}")
+                        generated_text="{}", itl=[t / 10, t / 5])
           for st, t, sc in ((0.0, 0.30, a), (0.1, 0.10, a), (0.2, 0.50, b), (0.3, 0.12, b), (0.4, 0.05, None))]
     m = compute_metrics(rs, 1.0, max_concurrency=None, request_rate=float("inf"))
+    assert m["median_itl_ms_unconstrained"] == pytest.approx(7.5)  # the plain request's gaps: 5 and 10 ms
+    assert m["median_itl_ms_new_schema"] == pytest.approx(55.0)  # 30, 60, 50, 100 ms
     assert (m["num_new_schema"], m["num_seen_schema"], m["num_unconstrained"]) == (2, 2, 1)
     assert abs(m["median_ttft_ms_new_schema"] - 400.0) < 1e-6 and abs(m["median_ttft_ms_seen_schema"] - 110.0) < 1e-6
     assert abs(m["median_ttft_ms_unconstrained"] - 50.0) < 1e-6

@@ -256,6 +256,10 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
         for kind, xs in split.items():
             m[f"num_{kind}"] = len(xs)
             m[f"median_ttft_ms_{kind}"] = statistics.median(xs) * 1000.0 if xs else float("nan")
+            # ITL by kind too: what new schemas (their compiles) do to the other requests' streams
+            gaps = [x * 1000.0 for i, r in enumerate(results) if r.success and kinds[i] == kind for x in r.itl]
+            m[f"median_itl_ms_{kind}"] = statistics.median(gaps) if gaps else float("nan")
+            m[f"p99_itl_ms_{kind}"] = _percentile(gaps, 99.0) if gaps else float("nan")
         # per request, in request order, to compare with the same requests run unconstrained (bench compare)
         m["request_kinds"] = [kinds[i] for i in range(len(results))]
     m["request_ttfts_ms"] = [r.ttft * 1000.0 if r.success else None for r in results]
@@ -346,6 +350,9 @@ def format_table(m: dict, percentiles: tuple[float, ...] = (99.0,), title: str =
                             ("unconstrained", "unconstrained")):
             if m.get(f"num_{kind}"):
                 row(f"Median TTFT, {label} (ms, n={m[f'num_{kind}']}):", m[f"median_ttft_ms_{kind}"])
+        if m.get("num_unconstrained"):
+            row("Median / P99 ITL, unconstrained (ms):",
+                f"{m['median_itl_ms_unconstrained']:.2f} / {m['p99_itl_ms_unconstrained']:.2f}")
     for name, head in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"{head:-^{w}}")
