@@ -184,7 +184,11 @@ class StructuredOutputsConfig:
     max_compile_threads: int = 2  # grammar compilation runs in this many threads, off the engine thread
     # Ours: how long the step that samples a request's first token may wait, after its forward pass, for that
     # request's grammar to finish compiling (else the request samples in a later step; structured_output/manager.py).
-    max_sample_wait_ms: float = 10.0
+    max_sample_wait_ms: float = 20.0
+    # Ours: the compile threads' nice value (Linux; 0 = the engine's own priority). A compile competing at equal
+    # priority with the forward pass's OpenMP threads stalls both of them (a descheduled thread holds the other at
+    # the barrier); niced, it runs in the gaps and in the wait above, when the cores are free.
+    compile_thread_nice: int = 10
 
     @classmethod
     def parse(cls, value: Any, reasoning_parser: Optional[str] = None) -> "StructuredOutputsConfig":
@@ -214,9 +218,13 @@ class StructuredOutputsConfig:
         if value["backend"] not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"structured_outputs_config backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
                              f"got {value['backend']!r}.")
-        w = value.get("max_sample_wait_ms", 10.0)
+        w = value.get("max_sample_wait_ms", 20.0)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1000:
             raise ValueError(f"structured_outputs_config max_sample_wait_ms must be a number in [0, 1000], got {w!r}.")
+        nice = value.get("compile_thread_nice", 10)
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ValueError(f"structured_outputs_config compile_thread_nice must be an integer in [0, 19], got "
+                             f"{nice!r}.")
         if reasoning_parser is not None:
             value["reasoning_parser"] = reasoning_parser
         if value.get("reasoning_parser") not in (None, *REASONING_PARSERS):

@@ -396,6 +396,11 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
     row = rows["structured: a new schema's TTFT over the same request unconstrained, ms (median)"]
     assert row.ours == pytest.approx(20.0)  # median of 30, 20, 20 (the seen-schema request is left out)
     assert row.peers["vllm"] == pytest.approx(250.0)  # median of 300, 200 (a failed request is left out)
+    single = "structured, single stream: a new schema's TTFT over the same request unconstrained, ms (median)"
+    assert rows[single].ours is None  # no single-stream runs given
+    runs += [C.Run("structured-single", "pagedllm", "x", True, {"levels": [dict(st, request_ttfts_ms=[50.0] * 4)]}),
+             C.Run("unconstrained-single", "pagedllm", "x", True, {"levels": [dict(un, request_ttfts_ms=[40.0] * 4)]})]
+    assert {r.metric: r for r in C.build_rows(runs)}[single].ours == pytest.approx(10.0)
 
     import argparse
 

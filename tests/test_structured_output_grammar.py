@@ -137,7 +137,9 @@ def test_structured_outputs_config():
     assert StructuredOutputsConfig.parse('{"backend": "xgrammar"}').backend == "xgrammar"
     assert StructuredOutputsConfig.parse(None).disable_any_whitespace is True
     assert StructuredOutputsConfig.parse({"backend": "auto"}, reasoning_parser="qwen3").reasoning_parser == "qwen3"
-    for bad in ('{"backend": "outlines"}', '{"nope": 1}', "{bad json", "[1]"):
+    assert StructuredOutputsConfig.parse('{"max_sample_wait_ms": 0}').max_sample_wait_ms == 0
+    for bad in ('{"backend": "outlines"}', '{"nope": 1}', "{bad json", "[1]", '{"max_sample_wait_ms": -1}',
+                '{"max_sample_wait_ms": "5"}', '{"compile_thread_nice": 20}', '{"compile_thread_nice": 1.5}'):
         with pytest.raises(ValueError, match="structured_outputs_config"):
             StructuredOutputsConfig.parse(bad)
     with pytest.raises(ValueError, match="reasoning_parser"):

@@ -178,3 +178,18 @@ def test_a_compiling_request_that_samples_waits_a_bounded_time_then_gets_its_mat
     finally:
         release.set()
         m.shutdown()
+
+
+def test_compile_threads_run_niced():
+    """Compiles run below the engine's priority (``compile_thread_nice``), so they don't stall the forward pass's
+    OpenMP threads."""
+    import os
+    import threading
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    m = StructuredOutputManager(StructuredOutputsConfig(compile_thread_nice=5), _backend)
+    try:
+        nice = m._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(5)
+        assert nice == min(base + 5, 19)
+    finally:
+        m.shutdown()

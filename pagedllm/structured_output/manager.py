@@ -149,7 +149,9 @@ class StructuredOutputManager:
         self._backend_future: Optional[Future] = None
         self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.max_compile_threads),
-                                        thread_name_prefix="pagedllm-grammar")
+                                        thread_name_prefix="pagedllm-grammar",
+                                        initializer=_lower_thread_priority,
+                                        initargs=(getattr(config, "compile_thread_nice", 0),))
         self._mask_pool: Optional[ThreadPoolExecutor] = None  # one thread: bitmask fills beside the forward pass
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pending: dict[str, tuple[Any, Future]] = {}  # request id -> (request, compile future)
@@ -159,7 +161,7 @@ class StructuredOutputManager:
         # Requests whose grammar finished compiling in the mask thread during this step: (request, state), handed
         # over on the engine thread by finish_step.
         self._adopted: dict[str, tuple[Any, _RequestState]] = {}
-        self.sample_wait_s = max(0.0, getattr(config, "max_sample_wait_ms", 10.0)) / 1000.0
+        self.sample_wait_s = max(0.0, getattr(config, "max_sample_wait_ms", 20.0)) / 1000.0
         self.num_unsampled = 0  # sampling steps missed because a compile wasn't done (a stat for tests)
 
     # ------------------------------------------------------------------ compile
@@ -398,6 +400,19 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Raises the calling thread's nice value by ``nice`` (Linux threads have their own; threads it starts inherit
+    it). Best effort: elsewhere, or without permission, the thread keeps its priority."""
+    import os
+
+    if nice > 0 and hasattr(os, "setpriority"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass
 
 
 def _bit(k: int) -> int:
