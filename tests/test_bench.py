@@ -479,3 +479,22 @@ def test_offline_floor_and_floor_table():
     table = C.floor_table(runs)
     assert "| offline mixed: elapsed (bf16) |" in table and "| 50% |" in table
     assert "| single stream bf16: decode tok/s | 250.0 tok/s | 1,000.0 tok/s | 25% |" in table
+
+
+def test_compare_quantized_rows():
+    """The quantized section's rows: ours on the GGUF as stored against llama.cpp, TPOT / TTFT lower-better."""
+    def lv(**kw):
+        return {"levels": [kw]}
+
+    runs = [C.Run("quant-single", "pagedllm-int4", "x", True, lv(median_tpot_ms=30.0, median_ttft_ms=200.0)),
+            C.Run("quant-single", "llamacpp", "x", True, lv(median_tpot_ms=40.0, median_ttft_ms=100.0)),
+            C.Run("quant-ttft1024", "pagedllm-int4", "x", True, lv(median_ttft_ms=1000.0)),
+            C.Run("quant-chat8", "pagedllm-int4", "x", True, lv(output_throughput=60.0)),
+            C.Run("quant-chat8", "llamacpp", "x", True, lv(output_throughput=30.0))]
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    q = "quantized (GGUF as stored)"
+    assert C.ratio(rows[f"{q}: single stream median TPOT ms"], "llamacpp") == pytest.approx(40 / 30)
+    assert C.ratio(rows[f"{q}: TTFT ms, 128 tokens (median)"], "llamacpp") == pytest.approx(0.5)
+    assert rows[f"{q}: TTFT ms, 1,024 tokens (median)"].ours == 1000.0
+    assert C.ratio(rows[f"{q}: TTFT ms, 1,024 tokens (median)"], "llamacpp") is None  # llama.cpp's run missing
+    assert C.ratio(rows[f"{q}: chat, 8 clients, output tok/s"], "llamacpp") == pytest.approx(2.0)

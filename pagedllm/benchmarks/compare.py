@@ -373,6 +373,37 @@ def _structured_pair(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: 
         runs.append(_run_json(section, eng, cmd, out, ns.timeout, os.path.join(out_dir, f"{section}-{eng}.log")))
 
 
+QUANT_ENGINES = ("pagedllm-int4", "llamacpp")  # ours on the GGUF as stored (--quantization gguf), llama-server
+
+
+def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
+    """The ``quantized`` section (issue 20): ours with the GGUF's quantized layers kept as stored, next to
+    llama.cpp's server on the same file. Single stream ``random`` 128 in / ``--single-output-len`` out (TPOT, TTFT
+    at 128 tokens), single stream 1,024 tokens in / 8 out (TTFT at 1,024), and ``chat`` at 8 clients."""
+    for eng in QUANT_ENGINES:
+        if eng == "llamacpp" and eng not in ns.peers:
+            continue
+        sections = ("quant-single", "quant-ttft1024", "quant-chat8")
+        srv = _start(ns, eng, out_dir, server_cmds, sections, runs)
+        if srv is None:
+            continue
+        try:
+            common = ("--base-url", srv.base_url, "--seed", "1", "--label", PEER_NAMES[eng], *_tokenizer_args(ns))
+            plans = (("quant-single", ("--backend", "openai", "--dataset-name", "random", "--input-len", "128",
+                                       "--output-len", str(ns.single_output_len), "--num-prompts",
+                                       str(ns.single_num_prompts), "--max-concurrency", "1")),
+                     ("quant-ttft1024", ("--backend", "openai", "--dataset-name", "random", "--input-len", "1024",
+                                         "--output-len", "8", "--num-prompts", "3", "--max-concurrency", "1")),
+                     ("quant-chat8", ("--backend", "openai-chat", "--dataset-name", "chat", "--num-prompts", "32",
+                                      "--max-concurrency", "8", "--output-len", str(ns.serve_output_len))))
+            for section, args in plans:
+                out = os.path.join(out_dir, f"{section}-{eng}.json")
+                cmd = _cli("serve", *args, *common, "--result-file", out, "--no-plot")
+                runs.append(_run_json(section, eng, cmd, out, ns.timeout, os.path.join(out_dir, f"{section}-{eng}.log")))
+        finally:
+            srv.stop()
+
+
 def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
     for bs in (1, 32):
         out = os.path.join(out_dir, f"latency-bs{bs}.json")
@@ -464,6 +495,20 @@ def build_rows(runs: list[Run]) -> list[Row]:
 
     rows.append(Row("structured: decode speed constrained / unconstrained % (1/TPOT)", True, cost("pagedllm"),
                     {"vllm": cost("vllm")}, ">= 90% (ours)"))
+
+    qname = "quantized (GGUF as stored)"
+    rows.append(Row(f"{qname}: single stream median TPOT ms", False, srv("quant-single", "pagedllm-int4",
+                    "median_tpot_ms"), {"llamacpp": srv("quant-single", "llamacpp", "median_tpot_ms")},
+                    ">= 1.25x llama.cpp"))
+    rows.append(Row(f"{qname}: TTFT ms, 128 tokens (median)", False, srv("quant-single", "pagedllm-int4",
+                    "median_ttft_ms"), {"llamacpp": srv("quant-single", "llamacpp", "median_ttft_ms")},
+                    ">= 1.0x llama.cpp"))
+    rows.append(Row(f"{qname}: TTFT ms, 1,024 tokens (median)", False, srv("quant-ttft1024", "pagedllm-int4",
+                    "median_ttft_ms"), {"llamacpp": srv("quant-ttft1024", "llamacpp", "median_ttft_ms")},
+                    ">= 1.0x llama.cpp"))
+    rows.append(Row(f"{qname}: chat, 8 clients, output tok/s", True, srv("quant-chat8", "pagedllm-int4",
+                    "output_throughput"), {"llamacpp": srv("quant-chat8", "llamacpp", "output_throughput")},
+                    ">= 1.5x llama.cpp"))
 
     def new_schema_cost(eng, suffix=""):
         """Median over the requests whose schema is new to the server of (their TTFT constrained - the same request's
@@ -617,7 +662,10 @@ def detail_tables(runs: list[Run]) -> str:
                            ("structured", "Structured outputs (`json-schema`, every request constrained)"),
                            ("unconstrained", "The same `json-schema` requests unconstrained"),
                            ("structured-single", "Structured outputs, single stream (each schema new)"),
-                           ("unconstrained-single", "The same single-stream requests unconstrained")):
+                           ("unconstrained-single", "The same single-stream requests unconstrained"),
+                           ("quant-single", "Quantized as stored: single stream (`random` 128 in)"),
+                           ("quant-ttft1024", "Quantized as stored: single stream, 1,024 tokens in"),
+                           ("quant-chat8", "Quantized as stored: `chat`, 8 clients")):
         out += ["", f"#### {title}", "",
                 "| server | ok/failed | duration s | req/s | output tok/s | TTFT mean/median/P99 ms | "
                 "TPOT mean/median/P99 ms | ITL mean/median/P99 ms | E2E mean/median/P99 ms |",
@@ -746,7 +794,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="vllm,hf,llamacpp",
                    help="Comma-separated peers to include (those not installed are reported and skipped).")
     p.add_argument("--sections", default="offline,serve,structured,engine",
-                   help="Comma-separated: offline, serve, structured, engine.")
+                   help="Comma-separated: offline, serve, structured, engine, quantized (ours on the GGUF's "
+                        "quantized layers as stored vs llama.cpp: not in the default set).")
     p.add_argument("--model", default=None,
                    help="A real model by name (smollm2, qwen2.5-0.5b, qwen2.5-1.5b, gemma3-270m) or a GGUF path "
                         "(default: the bundled SmolLM2). vLLM and HF run its bf16 export under .peers/.")
@@ -855,6 +904,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         run_offline(ns, out_dir, runs)
     if "serve" in sections or "structured" in sections:
         run_serving(ns, out_dir, runs, server_cmds, structured="structured" in sections, serve="serve" in sections)
+    if "quantized" in sections:
+        run_quantized(ns, out_dir, runs, server_cmds)
     if "engine" in sections:
         run_engine(ns, out_dir, runs)
     wall = time.perf_counter() - t0
