@@ -395,6 +395,41 @@ static inline __m256i kq_dp2(__m256i acc, __m256i u, __m256i s) {
 #endif
 
 #if KQ_ISA >= 1
+/* The unsigned codes of one group's vector of lanes, for the nibble types: g points at the group's lanes (its high-bit
+ * bytes first, then the nibbles at kq_nib_off(T)); cv[c] = the codes of the lanes' c-th byte column, the low nibbles in
+ * cv[0..3] and the high ones in cv[4..7], with Q5_0/Q5_K's fifth bit or Q6_K's two high bits or-ed in. Used by the
+ * integer GEMV and by the bf16 dequantization of prefill tiles alike (Q8_0 codes are loaded as stored by each). */
+static inline __attribute__((always_inline)) void kq_unpack_codes(const int T, const uint8_t *g, VI cv[8]) {
+    const VI m4 = VSET8(0x0F);
+    const int no = kq_nib_off(T);
+    for (int v = 0; v < 4; v++) {
+        const VI nib = VLOAD(g + no + 64 * v);
+        cv[v] = VAND(nib, m4);
+        cv[v + 4] = VAND(VSRL16(nib, 4), m4);
+    }
+    if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+        const VI qh = VLOAD(g), b4 = VSET8(0x10);
+        cv[0] = VOR(cv[0], VAND(VSLL16(qh, 4), b4));
+        cv[1] = VOR(cv[1], VAND(VSLL16(qh, 3), b4));
+        cv[2] = VOR(cv[2], VAND(VSLL16(qh, 2), b4));
+        cv[3] = VOR(cv[3], VAND(VSLL16(qh, 1), b4));
+        cv[4] = VOR(cv[4], VAND(qh, b4));
+        cv[5] = VOR(cv[5], VAND(VSRL16(qh, 1), b4));
+        cv[6] = VOR(cv[6], VAND(VSRL16(qh, 2), b4));
+        cv[7] = VOR(cv[7], VAND(VSRL16(qh, 3), b4));
+    } else if (T == KQ_Q6_K) {
+        const VI q0 = VLOAD(g), q1 = VLOAD(g + 64), b45 = VSET8(0x30);
+        cv[0] = VOR(cv[0], VAND(VSLL16(q0, 4), b45));
+        cv[1] = VOR(cv[1], VAND(VSLL16(q0, 2), b45));
+        cv[2] = VOR(cv[2], VAND(q0, b45));
+        cv[3] = VOR(cv[3], VAND(VSRL16(q0, 2), b45));
+        cv[4] = VOR(cv[4], VAND(VSLL16(q1, 4), b45));
+        cv[5] = VOR(cv[5], VAND(VSLL16(q1, 2), b45));
+        cv[6] = VOR(cv[6], VAND(q1, b45));
+        cv[7] = VOR(cv[7], VAND(VSRL16(q1, 2), b45));
+    }
+}
+
 /* Lanes l0 .. l0 + KQ_W - 1 of tile `tile` (all its blocks along K) for activation rows m0 .. m0 + MR - 1:
  * res[r][lane] = the float32 results. */
 static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const int MR, const uint8_t *tile,
@@ -404,7 +439,6 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
     const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
     const int64_t tb = kq_tbytes(T);
     const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
-    const VI m4 = VSET8(0x0F);
     VF acc[4], sacc[4];
     for (int r = 0; r < MR; r++) acc[r] = sacc[r] = VZEROF;
     for (int64_t sb = 0; sb < K / qk; sb++) {
@@ -428,33 +462,7 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
 #endif
                 }
             } else {
-                const int no = kq_nib_off(T);
-                for (int v = 0; v < 4; v++) {
-                    const VI nib = VLOAD(g + no + 64 * v + lb);
-                    cv[v] = VAND(nib, m4);
-                    cv[v + 4] = VAND(VSRL16(nib, 4), m4);
-                }
-                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
-                    const VI qh = VLOAD(g + lb), b4 = VSET8(0x10);
-                    cv[0] = VOR(cv[0], VAND(VSLL16(qh, 4), b4));
-                    cv[1] = VOR(cv[1], VAND(VSLL16(qh, 3), b4));
-                    cv[2] = VOR(cv[2], VAND(VSLL16(qh, 2), b4));
-                    cv[3] = VOR(cv[3], VAND(VSLL16(qh, 1), b4));
-                    cv[4] = VOR(cv[4], VAND(qh, b4));
-                    cv[5] = VOR(cv[5], VAND(VSRL16(qh, 1), b4));
-                    cv[6] = VOR(cv[6], VAND(VSRL16(qh, 2), b4));
-                    cv[7] = VOR(cv[7], VAND(VSRL16(qh, 3), b4));
-                } else if (T == KQ_Q6_K) {
-                    const VI q0 = VLOAD(g + lb), q1 = VLOAD(g + 64 + lb), b45 = VSET8(0x30);
-                    cv[0] = VOR(cv[0], VAND(VSLL16(q0, 4), b45));
-                    cv[1] = VOR(cv[1], VAND(VSLL16(q0, 2), b45));
-                    cv[2] = VOR(cv[2], VAND(q0, b45));
-                    cv[3] = VOR(cv[3], VAND(VSRL16(q0, 2), b45));
-                    cv[4] = VOR(cv[4], VAND(VSLL16(q1, 4), b45));
-                    cv[5] = VOR(cv[5], VAND(VSLL16(q1, 2), b45));
-                    cv[6] = VOR(cv[6], VAND(q1, b45));
-                    cv[7] = VOR(cv[7], VAND(VSRL16(q1, 2), b45));
-                }
+                kq_unpack_codes(T, g + lb, cv);
             }
             VF A0, A1 = VZEROF, B = VZEROF;
             if (T == KQ_Q8_0 || T == KQ_Q5_0) {
@@ -717,34 +725,7 @@ int kq_dequant_packed_bf16(int type, const uint8_t *w, int64_t N, int64_t K, int
             if (T == KQ_Q8_0) {
                 for (int c = 0; c < 8; c++) cv[c] = VLOAD(g + 64 * c);
             } else {
-                const VI m4 = VSET8(0x0F);
-                const int no = kq_nib_off(T);
-                for (int v = 0; v < 4; v++) {
-                    const VI nib = VLOAD(g + no + 64 * v);
-                    cv[v] = VAND(nib, m4);
-                    cv[v + 4] = VAND(VSRL16(nib, 4), m4);
-                }
-                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
-                    const VI qh = VLOAD(g), b4 = VSET8(0x10);
-                    cv[0] = VOR(cv[0], VAND(VSLL16(qh, 4), b4));
-                    cv[1] = VOR(cv[1], VAND(VSLL16(qh, 3), b4));
-                    cv[2] = VOR(cv[2], VAND(VSLL16(qh, 2), b4));
-                    cv[3] = VOR(cv[3], VAND(VSLL16(qh, 1), b4));
-                    cv[4] = VOR(cv[4], VAND(qh, b4));
-                    cv[5] = VOR(cv[5], VAND(VSRL16(qh, 1), b4));
-                    cv[6] = VOR(cv[6], VAND(VSRL16(qh, 2), b4));
-                    cv[7] = VOR(cv[7], VAND(VSRL16(qh, 3), b4));
-                } else if (T == KQ_Q6_K) {
-                    const VI q0 = VLOAD(g), q1 = VLOAD(g + 64), b45 = VSET8(0x30);
-                    cv[0] = VOR(cv[0], VAND(VSLL16(q0, 4), b45));
-                    cv[1] = VOR(cv[1], VAND(VSLL16(q0, 2), b45));
-                    cv[2] = VOR(cv[2], VAND(q0, b45));
-                    cv[3] = VOR(cv[3], VAND(VSRL16(q0, 2), b45));
-                    cv[4] = VOR(cv[4], VAND(VSLL16(q1, 4), b45));
-                    cv[5] = VOR(cv[5], VAND(VSLL16(q1, 2), b45));
-                    cv[6] = VOR(cv[6], VAND(q1, b45));
-                    cv[7] = VOR(cv[7], VAND(VSRL16(q1, 2), b45));
-                }
+                kq_unpack_codes(T, g, cv);
             }
         }
         const VF dv = VF16(h);
