@@ -6,12 +6,13 @@ the same loaded target with ``LLM.with_engine_args`` share it).
 
 KV cache: the draft has its own paged cache (its own layers, heads and bytes per block), indexed by the target's
 block tables (the same block ids), so prefix caching, preemption and freeing need no bookkeeping of their own: every
-token the target computes, the draft computes too in the same step (``mirror``: the target's input rows through the
-draft), so a block the target holds for a request holds the draft's K/V of the same tokens (a prefix-cache hit is
-also one for the draft). After sampling, ``propose`` runs ``k`` greedy decode steps of the draft for every request
-that sampled. Their K/V go to the request's own blocks where it has them and past its last block into scratch
-blocks (``scratch_blocks_per_row`` per batch row, after the target's ``num_blocks``); the next step's mirror
-rewrites those positions in the target's blocks. ``determine_num_blocks`` counts the draft's bytes per block and
+token the target computes and keeps, the draft computes too in the same step, so a block the target holds for a
+request holds the draft's K/V of the same tokens (a prefix-cache hit is also one for the draft). After sampling,
+``propose`` runs the draft once over every scheduled request's tokens of this step (the accepted ones and, for a
+request that drafts, its new token, whose logits give the first draft token: the catch-up and the first draft step
+in one forward), then ``k - 1`` greedy decode steps for the requests that draft. Their K/V go to the request's own
+blocks where it has them and past its last block into scratch blocks (``scratch_blocks_per_row`` per drafting row,
+after the target's ``num_blocks``); the next step's catch-up rewrites those positions in the target's blocks. ``determine_num_blocks`` counts the draft's bytes per block and
 its scratch blocks inside the KV budget (``draft_kv_bytes``).
 
 Exactness never rests on the draft: a draft token is kept only when the target samples it itself
@@ -85,7 +86,7 @@ class DraftModelDrafter:
             their sliding windows differ (the draft attends with the target's attention metadata).
     """
 
-    mirrors = True
+    mirrors = True  # computes the target's tokens too: propose takes the step's starts and query lengths
     method = "draft_model"
 
     def __init__(self, config, runner, draft: nn.Module, layout, dtype: torch.dtype) -> None:
@@ -109,39 +110,65 @@ class DraftModelDrafter:
                                     self.block_size, dtype, runner.device)
         self.kv_caches = [caches[s] for s in layout.layer_slot]
 
-    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """The target's step through the draft (inside the runner's ``step_rows``): the draft's K/V of the same
-        tokens (``input_ids [T]`` at ``positions [T]``) at the same slots (``meta``, the target's attention
-        metadata). Its hidden states are not needed."""
-        self.draft(input_ids, positions, self.kv_caches, meta)
+    def propose(self, states: Sequence, sampled: Sequence[Sequence[int]], starts: Sequence[int],
+                query_lens: Sequence[int]) -> list[list[int]]:
+        """Catches the draft's KV up with this step's tokens and drafts ``k`` greedy tokens for every request that
+        sampled (none for structured outputs, none at all above ``max_num_reqs`` requests).
 
-    def propose(self, states: Sequence, sampled: Sequence[Sequence[int]]) -> list[list[int]]:
-        """``k`` greedy draft tokens for every request that sampled this step (none for structured outputs).
         ``states[i]``: a runner request state (``token_ids``: prompt + output, this step's tokens included;
-        ``block_ids``); ``sampled[i]``: its tokens of this step."""
+        ``block_ids``); ``sampled[i]``: its tokens of this step; ``starts[i]``, ``query_lens[i]``: its first
+        position and row count in this step. The first draft forward computes, per request, the tokens now known
+        from ``starts[i]`` on: a request that sampled its accepted drafts and the new token (whose logits give the
+        first draft token), one still prefilling its chunk; so the draft's KV holds every token the target's does
+        (in the same forward as the first draft step). Then ``k - 1`` decode
+        steps of the drafting rows only.
+        """
         out: list[list[int]] = [[] for _ in states]
-        if len(states) > self.max_num_reqs:
-            return out
+        n_all, bs = len(states), self.block_size
+        drafting = n_all <= self.max_num_reqs
         idx = [i for i, (st, toks) in enumerate(zip(states, sampled))
-               if toks and getattr(st.sampling_params, "structured_outputs", None) is None]
+               if drafting and toks and getattr(st.sampling_params, "structured_outputs", None) is None]
+        # Rows up to: a drafting request's last token (its new one, whose logits draft); another one's tokens the
+        # target computed and kept (its new token has no slot yet: the next step computes it).
+        ends = [s + q if not toks else len(st.token_ids) - 1 for st, toks, s, q in
+                zip(states, sampled, starts, query_lens)]
+        for i in idx:
+            ends[i] += 1
+        qd = [e - s for e, s in zip(ends, starts)]
+        width = max(len(st.block_ids) for st in states) + self.scratch
+        bt_np = np.zeros((n_all, width), dtype=np.int64)
+        for i, st in enumerate(states):
+            ids = st.block_ids
+            bt_np[i, :len(ids)] = ids
+        for j, i in enumerate(idx):  # drafting rows write past their last block into their scratch blocks
+            n_ids = len(states[i].block_ids)
+            bt_np[i, n_ids:n_ids + self.scratch] = self.num_blocks + j * self.scratch + np.arange(self.scratch)
+        block_tables = torch.from_numpy(bt_np)
+        q_arr = np.asarray(qd, dtype=np.int64)
+        req_np = np.repeat(np.arange(n_all, dtype=np.int64), q_arr)
+        pos_np = np.repeat(np.asarray(starts, dtype=np.int64), q_arr) + (
+            np.arange(int(q_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(q_arr) - q_arr, q_arr))
+        ids = [t for st, s, e in zip(states, starts, ends) for t in st.token_ids[s:e]]
+        slots = torch.from_numpy(bt_np[req_np, pos_np // bs] * bs + pos_np % bs)
+        small = [q <= self.k + 2 for q in qd]  # a decode or a speculating request's few rows: decode kernels
+        meta = build_attention_metadata(qd, ends, block_tables, slots, bs, self.sliding_window, small)
+        with step_rows(qd, small):
+            hidden = self.draft(torch.tensor(ids, dtype=torch.int64), torch.from_numpy(pos_np), self.kv_caches,
+                                meta)
         if not idx:
             return out
-        n, bs = len(idx), self.block_size
-        pos = np.asarray([len(states[i].token_ids) - 1 for i in idx], dtype=np.int64)  # the last token's
-        width = max(len(states[i].block_ids) for i in idx) + self.scratch
-        bt_np = np.zeros((n, width), dtype=np.int64)
-        for j, i in enumerate(idx):
-            ids = states[i].block_ids
-            bt_np[j, :len(ids)] = ids
-            bt_np[j, len(ids):len(ids) + self.scratch] = self.num_blocks + j * self.scratch + np.arange(self.scratch)
-        block_tables = torch.from_numpy(bt_np)
+        n = len(idx)
+        last = torch.from_numpy(np.cumsum(q_arr)[idx] - 1)
+        tokens = argmax_rows(self.draft.compute_logits(hidden.index_select(0, last)))
+        drafts = [tokens]
+        bt_d = bt_np[idx]
+        block_tables = torch.from_numpy(bt_d)
+        pos = np.asarray([ends[i] for i in idx], dtype=np.int64)  # the first draft token's position
         rows = np.arange(n)
-        tokens = torch.tensor([states[i].token_ids[-1] for i in idx], dtype=torch.int64)
-        drafts = []
         ones = [1] * n
         with step_rows(ones):
-            for _ in range(self.k):
-                slots = torch.from_numpy(bt_np[rows, pos // bs] * bs + pos % bs)
+            for _ in range(self.k - 1):
+                slots = torch.from_numpy(bt_d[rows, pos // bs] * bs + pos % bs)
                 meta = build_attention_metadata(ones, (pos + 1).tolist(), block_tables, slots, bs,
                                                 self.sliding_window)
                 hidden = self.draft(tokens, torch.from_numpy(pos.copy()), self.kv_caches, meta)

@@ -257,8 +257,6 @@ class ModelRunner:
         decode = [q == 1 or v for q, v in zip(query_lens, verify)] if verify else None
         with step_rows(query_lens, decode):  # which rows are decode / prefill (int4 linears' kernel per row kind)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if getattr(self.drafter, "mirrors", False):  # a draft model computes the same tokens
-                self.drafter.mirror(input_ids, positions, meta)
 
         # Rows that sample: their last scheduled token is the last known token.
         sample_rows = [i for i, st in enumerate(states) if seq_lens[i] >= len(st.token_ids)]
@@ -315,7 +313,10 @@ class ModelRunner:
                                                              [x[: k + 1] for x in lps[r:r + m]], ranks[r:r + m])
         spec_token_ids = None
         if self.drafter is not None:
-            spec_token_ids = self.drafter.propose(states, sampled_lists)
+            if getattr(self.drafter, "mirrors", False):  # a draft model computes this step's kept tokens too, then drafts
+                spec_token_ids = self.drafter.propose(states, sampled_lists, starts, query_lens)
+            else:
+                spec_token_ids = self.drafter.propose(states, sampled_lists)
 
         prompt_lp = self._prompt_logprobs(states, starts, query_lens, qsl, hidden)
         return ModelRunnerOutput(
