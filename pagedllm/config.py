@@ -77,7 +77,7 @@ class ParallelConfig:
         return self.world_size > 1 or self.distributed_executor_backend == "external_launcher"
 
 
-SPEC_METHODS = ("ngram", "self_int4")  # draft_model: issue 21, not built yet
+SPEC_METHODS = ("ngram", "self_int4", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,17 @@ class SpeculativeConfig:
     ``layers/quantization/kernels.py``) and then more per row, so under load speculation steps aside by itself.
     ``adaptive`` (ours): each request's number of draft tokens follows its recent acceptance
     (``pagedllm.spec_decode.adaptive``); off: always as many as allowed when a proposal is that long.
+
+    ``method`` ``draft_model``: a second, smaller model with the target's vocabulary drafts (``model``: its GGUF
+    file or HF folder; vLLM infers the method when only ``model`` is given). It loads like the target (a GGUF
+    draft runs its quant types as stored; ``quantization``: the draft's, default auto) in the target's dtype, and
+    keeps its own paged KV cache indexed by the target's block tables (``pagedllm.spec_decode.draft_model``); its
+    bytes per block are counted in the KV budget with the target's (``determine_num_blocks``).
+    ``draft_tensor_parallel_size``: vLLM's key, only 1 here. ``draft_model_config`` (not a key): the draft's
+    ``ModelConfig``, resolved in ``EngineArgs.create_engine_config``, which checks the path, that the vocabulary
+    sizes are equal and that the draft's max positions cover ``max_model_len`` (``ValueError`` naming
+    ``speculative_config.model``). ``method`` ``self_int4``: the target drafts with an int4 copy of its own bf16
+    weights (``pagedllm.spec_decode.self_int4``), its KV counted the same way.
     """
 
     method: str = "ngram"
@@ -106,6 +117,10 @@ class SpeculativeConfig:
     disable_by_batch_size: Optional[int] = None
     adaptive: bool = True
     step_token_budget: int = 8
+    model: Optional[str] = None  # draft_model: the draft's GGUF file or HF folder
+    quantization: Optional[str] = None  # draft_model: the draft's --quantization (None: auto)
+    draft_tensor_parallel_size: Optional[int] = None  # vLLM's key; 1 (or unset) only
+    draft_model_config: Any = None  # draft_model: its ModelConfig, resolved at start-up (not a key)
 
     @classmethod
     def from_dict(cls, d: Any) -> "SpeculativeConfig":
@@ -125,12 +140,13 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}.")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"draft_model_config"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}.")
-        method = d.get("method", "ngram")
-        if method == "[ngram]":  # vLLM's older spelling
+        # vLLM: a draft model given without a method is a draft model; "[ngram]" is its older spelling of ngram
+        method = d.get("method", "draft_model" if d.get("model") is not None else "ngram")
+        if method == "[ngram]":
             method = "ngram"
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {method!r}.")
@@ -159,9 +175,63 @@ class SpeculativeConfig:
         adaptive = d.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}.")
+        model = d.get("model")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config.model (the draft's GGUF file or HF folder) is required for "
+                                 "method 'draft_model'.")
+            model = os.path.expanduser(model)
+            if not os.path.exists(model):
+                raise ValueError(f"speculative_config.model {model!r} not found: give a GGUF file or a Hugging Face "
+                                 f"model folder.")
+        elif model is not None:
+            raise ValueError(f"speculative_config.model is only for method 'draft_model', not {method!r}.")
+        quantization = d.get("quantization")
+        if quantization is not None and (method != "draft_model" or not isinstance(quantization, str)):
+            raise ValueError(f"speculative_config.quantization must be a string, for method 'draft_model' only; "
+                             f"got {quantization!r}.")
+        dtp = int_key("draft_tensor_parallel_size", 1, None)
+        if dtp not in (None, 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 here, got {dtp}.")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
                    disable_by_batch_size=int_key("disable_by_batch_size", 1, None), adaptive=adaptive,
-                   step_token_budget=int_key("step_token_budget", 2, 8))
+                   step_token_budget=int_key("step_token_budget", 2, 8), model=model, quantization=quantization,
+                   draft_tensor_parallel_size=dtp)
+
+    def with_draft_model_config(self, target: "ModelConfig") -> "SpeculativeConfig":
+        """This config with ``draft_model_config`` resolved for ``target`` (the target's ``ModelConfig``); itself
+        for other methods. The draft runs in the target's dtype with its own max positions.
+
+        Raises:
+            ValueError: naming ``speculative_config.model``: vocabulary sizes differ (both given), the draft's
+                max positions are fewer than the target's ``max_model_len``, or its architecture is unsupported.
+        """
+        if self.method != "draft_model":
+            return self
+        from pagedllm.layers.quantization import resolve_quant_config
+        from pagedllm.model_loader.hf_config import get_architecture, load_hf_config
+        from pagedllm.models.registry import get_model_class
+
+        hf_config = load_hf_config(self.model)
+        architecture = get_architecture(hf_config)
+        try:
+            cls = get_model_class(architecture)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model {self.model!r}: {e}") from None
+        vocab_size = int(hf_config.vocab_size)
+        if vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model {self.model!r} has a vocabulary of {vocab_size} tokens, the "
+                             f"target {target.vocab_size}: a draft model must share the target's vocabulary.")
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 8192
+        if max_pos < target.max_model_len:
+            raise ValueError(f"speculative_config.model {self.model!r} has max_position_embeddings={max_pos}, below "
+                             f"max_model_len={target.max_model_len}: lower --max-model-len.")
+        quant = resolve_quant_config(self.quantization, self.model, hf_config, cls, 1)
+        draft = ModelConfig(model=self.model, tokenizer=target.tokenizer, served_model_name=self.model,
+                            dtype=target.dtype, max_model_len=target.max_model_len, hf_config=hf_config,
+                            architecture=architecture, vocab_size=vocab_size,
+                            is_gguf=self.model.endswith(".gguf"), skip_tokenizer_init=True, quantization=quant)
+        return dataclasses.replace(self, draft_model_config=draft)
 STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
 # The names pagedllm.entrypoints.openai.reasoning registers (a test keeps the two in step).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -442,9 +512,7 @@ class EngineArgs:
                     self.distributed_executor_backend == "external_launcher":
                 raise ValueError("speculative_config can't be combined with tensor/pipeline parallelism yet.")
         so_config = StructuredOutputsConfig.parse(self.structured_outputs_config, self.reasoning_parser)
-        return EngineConfig(
-            structured_outputs=so_config,
-            model=ModelConfig(
+        model_config = ModelConfig(
                 model=model,
                 tokenizer=self.tokenizer or model,
                 served_model_name=name,
@@ -459,7 +527,12 @@ class EngineArgs:
                 is_gguf=is_gguf,
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 quantization=quant_config,
-            ),
+        )
+        if speculative is not None:
+            speculative = speculative.with_draft_model_config(model_config)
+        return EngineConfig(
+            structured_outputs=so_config,
+            model=model_config,
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=(self.num_gpu_blocks_override + 1) if self.num_gpu_blocks_override else 0,

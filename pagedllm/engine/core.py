@@ -43,8 +43,17 @@ class EngineCore:
                 model = load_model(config.model)
             # KV cache groups: sliding-window layers get their own block tables (and free what left the window).
             layout = plan_kv_cache_layout(model.kv_cache_spec())
-            num_blocks = determine_num_blocks(config, model.kv_cache_spec(), layout)
-            self.runner = ModelRunner(config, model, num_blocks, layout=layout)
+            # A drafter with a KV cache of its own shares the budget (determine_num_blocks).
+            spec, draft, draft_layout = config.speculative, None, None
+            if spec is not None and spec.method == "draft_model":
+                from pagedllm.spec_decode.draft_model import load_draft_model
+
+                draft = load_draft_model(spec, model)
+                draft_layout = plan_kv_cache_layout(draft.kv_cache_spec())
+            elif spec is not None and spec.method == "self_int4":
+                draft_layout = layout
+            num_blocks = determine_num_blocks(config, model.kv_cache_spec(), layout, draft_layout)
+            self.runner = ModelRunner(config, model, num_blocks, layout=layout, draft_model=draft)
             group_windows = layout.group_windows
         self.num_blocks = num_blocks
         # Test hook (engine/fault_injection.py): a step that schedules one of these raises in the forward.

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
+from pagedllm.spec_decode.draft_model import max_drafting_reqs
 from pagedllm.spec_decode.ngram import NgramProposer
 
 
@@ -16,9 +17,7 @@ class NgramDrafter:
     def __init__(self, config) -> None:
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
-        # From this many requests in a step on the scheduler verifies no drafts (Scheduler.spec_cap): don't look.
-        limit = config.disable_by_batch_size or (1 << 62)
-        self.max_num_reqs = min(limit, max(r for r in range(1, 65) if (config.step_token_budget - r) // r > 0))
+        self.max_num_reqs = max_drafting_reqs(config)  # from this many requests on no drafts are verified
 
     def propose(self, states: Sequence, sampled: Sequence[Sequence[int]]) -> list[list[int]]:
         """``states[i]``: a runner request state (``token_ids`` = prompt + output, this step's tokens included);
@@ -31,12 +30,14 @@ class NgramDrafter:
                 else [] for st, toks in zip(states, sampled)]
 
 
-def make_drafter(config, runner=None):
+def make_drafter(config, runner=None, draft=None):
     """The drafter for a ``SpeculativeConfig`` (None: no speculation); ``runner``: the ``ModelRunner`` (its model and
-    KV layout), for a method with a model of its own (``self_int4``).
+    KV layout), for a method with a model of its own (``self_int4``, ``draft_model``); ``draft``: the loaded draft
+    model of ``draft_model`` (default: ``load_draft_model``).
 
     Raises:
-        ValueError: for a method without a drafter, or one the model can't run (``self_int4`` on a non-bf16 model).
+        ValueError: for a method without a drafter, or one the model can't run (``self_int4`` on a non-bf16 model,
+            a hybrid-attention target).
     """
     if config is None:
         return None
@@ -46,4 +47,8 @@ def make_drafter(config, runner=None):
         from pagedllm.spec_decode.self_int4 import SelfInt4Drafter
 
         return SelfInt4Drafter(config, runner)
+    if config.method == "draft_model" and runner is not None:
+        from pagedllm.spec_decode.draft_model import make_draft_model_drafter
+
+        return make_draft_model_drafter(config, runner, draft)
     raise ValueError(f"speculative_config.method {config.method!r} has no drafter.")

@@ -5,13 +5,9 @@ The draft (``int4_draft_model``) is the target's module tree with every decoder 
 token embedding (and a tied LM head) as per-row int8 (``Int8Rows``): about 0.6 byte per weight, ~30% more weight
 memory than bf16 alone. Norms and rotary tables are the target's tensors, shared.
 
-KV cache: the draft has its own paged cache, indexed by the target's block tables (the same block ids), so prefix
-caching, preemption and freeing need no bookkeeping of their own: every token the target computes, the draft computes
-too in the same step (``mirror``: the target's input rows through the draft), so a block the target holds for a
-request holds the draft's K/V of the same tokens (a prefix-cache hit is also one for the draft). After sampling,
-``propose`` runs ``k`` greedy decode steps of the draft for every request that sampled. Their K/V go to the
-request's own blocks where it has them and past its last block into scratch blocks (``SCRATCH`` per batch row,
-after the target's ``num_blocks``); the next step's mirror rewrites those positions in the target's blocks.
+KV cache, mirroring and proposing: as a ``draft_model`` draft (``pagedllm.spec_decode.draft_model``, whose
+``DraftModelDrafter`` runs it): its own paged cache of the target's layout and dtype, indexed by the target's block
+tables, its bytes counted in the KV budget.
 
 Exactness never rests on the draft: a draft token is kept only when the bf16 target samples it itself
 (``spec_decode/verify.py``), so a stale or wrong draft K/V only costs acceptance.
@@ -20,16 +16,14 @@ Exactness never rests on the draft: a draft token is kept only when the bf16 tar
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import argmax_rows
-from pagedllm.attention.torch_attn import build_attention_metadata
 from pagedllm.layers.quantization import QuantConfig, QuantEmbedding, QuantLinear
-from pagedllm.layers.quantization.kernels import int4_kernel_supports, quantize_int4_minmax, step_rows
+from pagedllm.layers.quantization.kernels import int4_kernel_supports, quantize_int4_minmax
+from pagedllm.spec_decode.draft_model import DraftModelDrafter
 
 DRAFT_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 GROUP_SIZE = 32
@@ -143,67 +137,15 @@ def int4_draft_model(model: nn.Module) -> nn.Module:
     return draft
 
 
-class SelfInt4Drafter:
+class SelfInt4Drafter(DraftModelDrafter):
     """The runner's drafter for ``self_int4`` (see the module docstring). ``runner``: the ``ModelRunner`` (its
-    model, block size, ``num_blocks``, KV layout)."""
+    model, block size, ``num_blocks``, KV layout).
 
-    mirrors = True
-    SCRATCH = 2  # scratch blocks per batch row, for draft positions past a request's last block (k <= 64: below)
+    Raises:
+        ValueError: as ``int4_draft_model``, or for more than one KV cache group.
+    """
+
+    method = "self_int4"
 
     def __init__(self, config, runner) -> None:
-        from pagedllm.worker.model_runner import allocate_kv_caches
-
-        if runner.num_groups != 1:
-            raise ValueError("speculative_config.method 'self_int4' needs one KV cache group (no hybrid attention).")
-        self.k = config.num_speculative_tokens
-        limit = config.disable_by_batch_size or (1 << 62)
-        self.max_num_reqs = min(limit, max(r for r in range(1, 65) if (config.step_token_budget - r) // r > 0))
-        self.draft = int4_draft_model(runner.model)
-        self.block_size = runner.block_size
-        self.num_blocks = runner.num_blocks
-        self.scratch = self.SCRATCH + (self.k + self.block_size - 1) // self.block_size
-        self.sliding_window = runner.sliding_window
-        caches = allocate_kv_caches(runner.layout.slot_specs, self.num_blocks + self.max_num_reqs * self.scratch,
-                                    self.block_size, torch.bfloat16, runner.device)
-        self.kv_caches = [caches[s] for s in runner.layout.layer_slot]
-
-    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """The target's step through the draft (inside the runner's ``step_rows``): the draft's K/V of the same
-        tokens at the same slots. Its hidden states are not needed."""
-        self.draft(input_ids, positions, self.kv_caches, meta)
-
-    def propose(self, states: Sequence, sampled: Sequence[Sequence[int]]) -> list[list[int]]:
-        """``k`` greedy draft tokens for every request that sampled this step (none for structured outputs)."""
-        out: list[list[int]] = [[] for _ in states]
-        if len(states) > self.max_num_reqs:
-            return out
-        idx = [i for i, (st, toks) in enumerate(zip(states, sampled))
-               if toks and getattr(st.sampling_params, "structured_outputs", None) is None]
-        if not idx:
-            return out
-        n, bs = len(idx), self.block_size
-        pos = np.asarray([len(states[i].token_ids) - 1 for i in idx], dtype=np.int64)  # the last token's
-        width = max(len(states[i].block_ids) for i in idx) + self.scratch
-        bt_np = np.zeros((n, width), dtype=np.int64)
-        for j, i in enumerate(idx):
-            ids = states[i].block_ids
-            bt_np[j, :len(ids)] = ids
-            bt_np[j, len(ids):len(ids) + self.scratch] = self.num_blocks + j * self.scratch + np.arange(self.scratch)
-        block_tables = torch.from_numpy(bt_np)
-        rows = np.arange(n)
-        tokens = torch.tensor([states[i].token_ids[-1] for i in idx], dtype=torch.int64)
-        drafts = []
-        ones = [1] * n
-        with step_rows(ones):
-            for _ in range(self.k):
-                slots = torch.from_numpy(bt_np[rows, pos // bs] * bs + pos % bs)
-                meta = build_attention_metadata(ones, (pos + 1).tolist(), block_tables, slots, bs,
-                                                self.sliding_window)
-                hidden = self.draft(tokens, torch.from_numpy(pos.copy()), self.kv_caches, meta)
-                tokens = argmax_rows(self.draft.compute_logits(hidden))
-                drafts.append(tokens)
-                pos = pos + 1
-        mat = torch.stack(drafts, dim=1).tolist()  # [n, k]
-        for j, i in enumerate(idx):
-            out[i] = mat[j]
-        return out
+        super().__init__(config, runner, int4_draft_model(runner.model), runner.layout, torch.bfloat16)

@@ -81,11 +81,15 @@ def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_si
 
 
 def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
-                         layout: Optional[KVCacheLayout] = None) -> int:
+                         layout: Optional[KVCacheLayout] = None,
+                         draft_layout: Optional[KVCacheLayout] = None) -> int:
     """Physical block count (null block included) from ``kv_cache_memory_bytes`` or the explicit override.
 
     With several KV cache groups (``layout``), a block is ``layout.layers_per_group`` layers deep and one request
-    holds blocks in every group (fewer in sliding-window groups).
+    holds blocks in every group (fewer in sliding-window groups). A drafter with a KV cache of its own
+    (``draft_layout``: the ``draft_model``'s layout, or the target's for ``self_int4``; see
+    ``pagedllm.spec_decode.draft_model``) shares the budget: each block costs the target's bytes plus the draft's,
+    and the draft's scratch blocks come off the top, so ``num_blocks = (budget - scratch) // (target + draft)``.
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens can't fit, with the numbers needed.
@@ -94,7 +98,17 @@ def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
     layout = layout or plan_kv_cache_layout(kv_spec)
     elem = torch.empty((), dtype=config.model.dtype).element_size()
     per_block = layout.bytes_per_block(cc.block_size, elem)
-    num_blocks = cc.num_blocks or (cc.kv_cache_memory_bytes // per_block)
+    budget = cc.kv_cache_memory_bytes
+    spec_cfg = getattr(config, "speculative", None)
+    if draft_layout is not None and spec_cfg is not None:
+        from pagedllm.spec_decode.draft_model import draft_kv_bytes
+
+        mc = spec_cfg.draft_model_config
+        draft_elem = elem if mc is None else torch.empty((), dtype=mc.dtype).element_size()
+        draft_per_block, scratch = draft_kv_bytes(spec_cfg, cc.block_size, draft_layout, draft_elem)
+        per_block += draft_per_block
+        budget = max(0, budget - scratch)
+    num_blocks = cc.num_blocks or (budget // per_block)
     max_chunk = getattr(getattr(config, "scheduler", None), "max_num_batched_tokens", config.model.max_model_len)
     needed = layout.blocks_for_one_request(config.model.max_model_len, cc.block_size, max_chunk)
     if num_blocks - 1 < needed:
@@ -110,7 +124,10 @@ def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
-                 device: torch.device | str = "cpu", layout: Optional[KVCacheLayout] = None) -> None:
+                 device: torch.device | str = "cpu", layout: Optional[KVCacheLayout] = None,
+                 draft_model: Optional[torch.nn.Module] = None) -> None:
+        """``draft_model``: the loaded draft of ``speculative_config.method`` ``draft_model`` (default: loaded here,
+        ``spec_decode.draft_model.load_draft_model``)."""
         self.config = config
         self.model = model
         self.device = torch.device(device)
@@ -133,7 +150,7 @@ class ModelRunner:
         self.num_groups = self.layout.num_groups
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        self.drafter = make_drafter(spec_cfg, self) if spec_cfg is not None else None
+        self.drafter = make_drafter(spec_cfg, self, draft_model) if spec_cfg is not None else None
 
     # ------------------------------------------------------------------ state updates
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -240,8 +257,6 @@ class ModelRunner:
         decode = [q == 1 or v for q, v in zip(query_lens, verify)] if verify else None
         with step_rows(query_lens, decode):  # which rows are decode / prefill (int4 linears' kernel per row kind)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if getattr(self.drafter, "mirrors", False):  # a draft model computes the same tokens
-                self.drafter.mirror(input_ids, positions, meta)
 
         # Rows that sample: their last scheduled token is the last known token.
         sample_rows = [i for i, st in enumerate(states) if seq_lens[i] >= len(st.token_ids)]
@@ -307,7 +322,10 @@ class ModelRunner:
                                                              [x[: k + 1] for x in lps[r:r + m]], ranks[r:r + m])
         spec_token_ids = None
         if self.drafter is not None:
-            spec_token_ids = self.drafter.propose(states, sampled_lists)
+            if getattr(self.drafter, "mirrors", False):  # a draft model computes this step's kept tokens too, then drafts
+                spec_token_ids = self.drafter.propose(states, sampled_lists, starts, query_lens)
+            else:
+                spec_token_ids = self.drafter.propose(states, sampled_lists)
 
         prompt_lp = self._prompt_logprobs(states, starts, query_lens, qsl, hidden)
         return ModelRunnerOutput(

@@ -1,0 +1,195 @@
+"""``draft_model``: a second, smaller model (the target's vocabulary) drafts; also the engine of ``self_int4``.
+
+The draft loads like the target (``model_loader.load_model``: an HF folder or a GGUF file, whose quant types run
+as stored) from ``SpeculativeConfig.draft_model_config``, once per target model (kept on it, so engines built on
+the same loaded target with ``LLM.with_engine_args`` share it).
+
+KV cache: the draft has its own paged cache (its own layers, heads and bytes per block), indexed by the target's
+block tables (the same block ids), so prefix caching, preemption and freeing need no bookkeeping of their own: every
+token the target computes and keeps, the draft computes too in the same step, so a block the target holds for a
+request holds the draft's K/V of the same tokens (a prefix-cache hit is also one for the draft). After sampling,
+``propose`` runs the draft once over every scheduled request's tokens of this step (the accepted ones and, for a
+request that drafts, its new token, whose logits give the first draft token: the catch-up and the first draft step
+in one forward), then ``k - 1`` greedy decode steps for the requests that draft. Their K/V go to the request's own
+blocks where it has them and past its last block into scratch blocks (``scratch_blocks_per_row`` per drafting row,
+after the target's ``num_blocks``); the next step's catch-up rewrites those positions in the target's blocks. ``determine_num_blocks`` counts the draft's bytes per block and
+its scratch blocks inside the KV budget (``draft_kv_bytes``).
+
+Exactness never rests on the draft: a draft token is kept only when the target samples it itself
+(``spec_decode/verify.py``), so a stale or wrong draft K/V only costs acceptance.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.attention.cpu_kernels import argmax_rows
+from pagedllm.attention.torch_attn import build_attention_metadata
+from pagedllm.layers.quantization.kernels import step_rows
+
+_KEY = "_draft_models"
+SCRATCH = 2  # scratch blocks per batch row beyond those the k draft positions need
+
+
+def max_drafting_reqs(config) -> int:
+    """From this many requests in a step on the scheduler verifies no drafts (``Scheduler.spec_cap``): the most
+    requests a drafter drafts for. ``config``: a ``SpeculativeConfig``."""
+    limit = config.disable_by_batch_size or (1 << 62)
+    return min(limit, max(r for r in range(1, 65) if (config.step_token_budget - r) // r > 0))
+
+
+def scratch_blocks_per_row(config, block_size: int) -> int:
+    """Scratch blocks one drafting row may write past its last block: ``SCRATCH + cdiv(k, block_size)``."""
+    return SCRATCH + (config.num_speculative_tokens + block_size - 1) // block_size
+
+
+def draft_kv_bytes(config, block_size: int, draft_layout, dtype_size: int) -> tuple[int, int]:
+    """``(bytes per block, bytes of the scratch blocks)`` of a model-drafter's KV cache: ``draft_layout`` (a
+    ``KVCacheLayout``) blocks of ``block_size`` tokens in elements of ``dtype_size`` bytes, and
+    ``max_drafting_reqs * scratch_blocks_per_row`` scratch blocks. Example: Qwen2.5-0.5B (24 layers, 2 KV heads,
+    head_dim 64) in bf16, block 16: 16 * 24 * 2 * 2 * 64 * 2 = 196,608 bytes a block; k 4, budget 8: 4 * 3 scratch
+    blocks."""
+    per_block = draft_layout.bytes_per_block(block_size, dtype_size)
+    return per_block, per_block * max_drafting_reqs(config) * scratch_blocks_per_row(config, block_size)
+
+
+def load_draft_model(config, target: nn.Module) -> nn.Module:
+    """The draft of ``config`` (a ``SpeculativeConfig`` with ``draft_model_config``) for ``target``, loaded once and
+    kept on ``target``.
+
+    Raises:
+        ValueError: for weights that don't fit the draft's architecture (from the loader).
+    """
+    from pagedllm.model_loader.loader import load_model
+
+    mc = config.draft_model_config
+    key = (mc.model, str(mc.dtype), repr(mc.quantization), mc.max_model_len)
+    drafts = target.__dict__.setdefault(_KEY, {})
+    if key not in drafts:
+        drafts[key] = load_model(mc)
+    return drafts[key]
+
+
+class DraftModelDrafter:
+    """The runner's drafter for a model that drafts with its own KV cache (see the module docstring).
+
+    ``runner``: the ``ModelRunner`` (block size, ``num_blocks``, its KV layout); ``draft``: the draft model (plain
+    module: ``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H]``, ``compute_logits(hidden)
+    -> [T, V]``, ``kv_cache_spec()``); ``layout``: the draft's ``KVCacheLayout`` (one group); ``dtype``: its KV dtype.
+
+    Raises:
+        ValueError: the target or the draft has more than one KV cache group (hybrid sliding-window layers), or
+            their sliding windows differ (the draft attends with the target's attention metadata).
+    """
+
+    mirrors = True  # computes the target's tokens too: propose takes the step's starts and query lengths
+    method = "draft_model"
+
+    def __init__(self, config, runner, draft: nn.Module, layout, dtype: torch.dtype) -> None:
+        from pagedllm.worker.model_runner import allocate_kv_caches
+
+        if runner.num_groups != 1 or layout.num_groups != 1:
+            raise ValueError(f"speculative_config.method {self.method!r} needs one KV cache group in the target and "
+                             f"the draft (no hybrid sliding-window attention).")
+        window = getattr(draft, "sliding_window", None)
+        if window != runner.sliding_window:
+            raise ValueError(f"speculative_config.model: the draft's sliding window ({window}) differs from the "
+                             f"target's ({runner.sliding_window}).")
+        self.k = config.num_speculative_tokens
+        self.max_num_reqs = max_drafting_reqs(config)
+        self.draft = draft
+        self.block_size = runner.block_size
+        self.num_blocks = runner.num_blocks
+        self.scratch = scratch_blocks_per_row(config, self.block_size)
+        self.sliding_window = runner.sliding_window
+        caches = allocate_kv_caches(layout.slot_specs, self.num_blocks + self.max_num_reqs * self.scratch,
+                                    self.block_size, dtype, runner.device)
+        self.kv_caches = [caches[s] for s in layout.layer_slot]
+
+    def propose(self, states: Sequence, sampled: Sequence[Sequence[int]], starts: Sequence[int],
+                query_lens: Sequence[int]) -> list[list[int]]:
+        """Catches the draft's KV up with this step's tokens and drafts ``k`` greedy tokens for every request that
+        sampled (none for structured outputs, none at all above ``max_num_reqs`` requests).
+
+        ``states[i]``: a runner request state (``token_ids``: prompt + output, this step's tokens included;
+        ``block_ids``); ``sampled[i]``: its tokens of this step; ``starts[i]``, ``query_lens[i]``: its first
+        position and row count in this step. The first draft forward computes, per request, the tokens now known
+        from ``starts[i]`` on: a request that sampled its accepted drafts and the new token (whose logits give the
+        first draft token), one still prefilling its chunk; so the draft's KV holds every token the target's does
+        (in the same forward as the first draft step). Then ``k - 1`` decode
+        steps of the drafting rows only.
+        """
+        out: list[list[int]] = [[] for _ in states]
+        n_all, bs = len(states), self.block_size
+        drafting = n_all <= self.max_num_reqs
+        idx = [i for i, (st, toks) in enumerate(zip(states, sampled))
+               if drafting and toks and getattr(st.sampling_params, "structured_outputs", None) is None]
+        # Rows up to: a drafting request's last token (its new one, whose logits draft); another one's tokens the
+        # target computed and kept (its new token has no slot yet: the next step computes it).
+        ends = [s + q if not toks else len(st.token_ids) - 1 for st, toks, s, q in
+                zip(states, sampled, starts, query_lens)]
+        for i in idx:
+            ends[i] += 1
+        qd = [e - s for e, s in zip(ends, starts)]
+        width = max(len(st.block_ids) for st in states) + self.scratch
+        bt_np = np.zeros((n_all, width), dtype=np.int64)
+        for i, st in enumerate(states):
+            ids = st.block_ids
+            bt_np[i, :len(ids)] = ids
+        for j, i in enumerate(idx):  # drafting rows write past their last block into their scratch blocks
+            n_ids = len(states[i].block_ids)
+            bt_np[i, n_ids:n_ids + self.scratch] = self.num_blocks + j * self.scratch + np.arange(self.scratch)
+        block_tables = torch.from_numpy(bt_np)
+        q_arr = np.asarray(qd, dtype=np.int64)
+        req_np = np.repeat(np.arange(n_all, dtype=np.int64), q_arr)
+        pos_np = np.repeat(np.asarray(starts, dtype=np.int64), q_arr) + (
+            np.arange(int(q_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(q_arr) - q_arr, q_arr))
+        ids = [t for st, s, e in zip(states, starts, ends) for t in st.token_ids[s:e]]
+        slots = torch.from_numpy(bt_np[req_np, pos_np // bs] * bs + pos_np % bs)
+        small = [q <= self.k + 2 for q in qd]  # a decode or a speculating request's few rows: decode kernels
+        meta = build_attention_metadata(qd, ends, block_tables, slots, bs, self.sliding_window, small)
+        with step_rows(qd, small):
+            hidden = self.draft(torch.tensor(ids, dtype=torch.int64), torch.from_numpy(pos_np), self.kv_caches,
+                                meta)
+        if not idx:
+            return out
+        n = len(idx)
+        last = torch.from_numpy(np.cumsum(q_arr)[idx] - 1)
+        tokens = argmax_rows(self.draft.compute_logits(hidden.index_select(0, last)))
+        drafts = [tokens]
+        bt_d = bt_np[idx]
+        block_tables = torch.from_numpy(bt_d)
+        pos = np.asarray([ends[i] for i in idx], dtype=np.int64)  # the first draft token's position
+        rows = np.arange(n)
+        ones = [1] * n
+        with step_rows(ones):
+            for _ in range(self.k - 1):
+                slots = torch.from_numpy(bt_d[rows, pos // bs] * bs + pos % bs)
+                meta = build_attention_metadata(ones, (pos + 1).tolist(), block_tables, slots, bs,
+                                                self.sliding_window)
+                hidden = self.draft(tokens, torch.from_numpy(pos.copy()), self.kv_caches, meta)
+                tokens = argmax_rows(self.draft.compute_logits(hidden))
+                drafts.append(tokens)
+                pos = pos + 1
+        mat = torch.stack(drafts, dim=1).tolist()  # [n, k]
+        for j, i in enumerate(idx):
+            out[i] = mat[j]
+        return out
+
+
+def make_draft_model_drafter(config, runner, draft: Optional[nn.Module] = None) -> DraftModelDrafter:
+    """The ``draft_model`` drafter of ``runner``: ``draft`` (default ``load_draft_model(config, runner.model)``),
+    its linears packed like the target's, its KV in the target's dtype."""
+    from pagedllm.kv_cache_spec import plan_kv_cache_layout
+    from pagedllm.layers.packed_linear import pack_linear_weights, packing_supported
+
+    draft = draft if draft is not None else load_draft_model(config, runner.model)
+    dtype = config.draft_model_config.dtype
+    if packing_supported(dtype, runner.device) and not draft.__dict__.get("_packed"):
+        pack_linear_weights(draft)  # oneDNN layout once, as the target's
+        draft.__dict__["_packed"] = True
+    return DraftModelDrafter(config, runner, draft, plan_kv_cache_layout(draft.kv_cache_spec()), dtype)
