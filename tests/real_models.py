@@ -108,3 +108,19 @@ def prefill_logits(model, tokens: list[int], chunk: int, keep_last: int = 0, blo
             hidden = hidden[max(0, n - keep_last - s):]
         out.append(model.compute_logits(hidden).float())
     return torch.cat(out)
+
+
+INVARIANCE_TARGET = "Explain in a few sentences why the sky is blue and why sunsets are red."
+
+
+def greedy_alone_and_among_others(llm, max_tokens: int) -> tuple[list[int], list[int]]:
+    """The greedy tokens of one prompt run alone, and the same prompt's run as the 5th of 9 concurrent prompts of
+    different lengths (batch invariance: the two must be equal)."""
+    from pagedllm import SamplingParams
+
+    others = [f"Write a short story about a robot number {i} who learns to paint." + " Please." * i
+              for i in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    alone = llm.generate([INVARIANCE_TARGET], sp, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(others[:4] + [INVARIANCE_TARGET] + others[4:], sp, use_tqdm=False)[4].outputs[0].token_ids
+    return list(alone), list(mixed)

@@ -184,17 +184,14 @@ def test_greedy_alone_equals_among_concurrent_others(quantization, level):
     oneDNN linears) a difference is an expected failure."""
     if level not in supported_levels():
         pytest.skip(f"this CPU runs below {level}")
-    from pagedllm import LLM, SamplingParams
+    from real_models import greedy_alone_and_among_others
+
+    from pagedllm import LLM
 
     llm = LLM(dtype="bfloat16", quantization=quantization, cpu_isa=level, kv_cache_memory_bytes=64 << 20,
               max_model_len=512, enable_prefix_caching=False)
     assert kernels.config().level == level
-    target = "Explain in a few sentences why the sky is blue and why sunsets are red."
-    others = [f"Write a short story about a robot number {i} who learns to paint." + " Please." * i
-              for i in range(8)]
-    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    alone = llm.generate([target], sp, use_tqdm=False)[0].outputs[0].token_ids
-    mixed = llm.generate(others[:4] + [target] + others[4:], sp, use_tqdm=False)[4].outputs[0].token_ids
+    alone, mixed = greedy_alone_and_among_others(llm, 32)
     assert len(alone) == 32
     if mixed != alone and not _promised_invariant(quantization, level):
         pytest.xfail(f"level {level!r}: torch/oneDNN linears pick their algorithm by the number of rows")

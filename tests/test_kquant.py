@@ -36,7 +36,7 @@ from pagedllm.layers.quantization.kquant import (
 )
 from pagedllm.model_files import gemma3_270m_path, qwen25_05b_path
 from pagedllm.model_loader.gguf_loader import read_gguf_header
-from real_models import smallest_tensor_per_type
+from real_models import greedy_alone_and_among_others, smallest_tensor_per_type
 
 TYPES = sorted(KQUANT_TYPES, key=int)
 
@@ -402,7 +402,7 @@ def test_real_kquant_model_greedy_alone_equals_among_concurrent_others(level):
     """Gemma-3-270M Q4_K_M (Q4_K / Q5_0 / Q6_K / Q8_0 layers, a Q8_0 tied head) in bf16: one prompt's greedy tokens
     alone and batched with 8 others (one prefill step of all nine through the bf16 tile path, then batch-9 decode on
     the integer kernel) are identical, at each level this CPU runs (batch invariance end to end)."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
     from pagedllm.kernels.config import supported_levels
 
     if level not in supported_levels():
@@ -411,11 +411,6 @@ def test_real_kquant_model_greedy_alone_equals_among_concurrent_others(level):
               max_model_len=512, enable_prefix_caching=False)
     model = llm.llm_engine.engine_core.runner.model
     assert {m.kind for m in model.quant_modules.values()} == {"kquant"}
-    target = "Explain in a few sentences why the sky is blue and why sunsets are red."
-    others = [f"Write a short story about a robot number {i} who learns to paint." + " Please." * i
-              for i in range(8)]
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone = llm.generate([target], sp, use_tqdm=False)[0].outputs[0].token_ids
-    mixed = llm.generate(others[:4] + [target] + others[4:], sp, use_tqdm=False)[4].outputs[0].token_ids
+    alone, mixed = greedy_alone_and_among_others(llm, 24)
     assert len(alone) == 24
     assert mixed == alone, next(i for i, (a, b) in enumerate(zip(alone, mixed)) if a != b)

@@ -496,19 +496,14 @@ def build_rows(runs: list[Run]) -> list[Row]:
     rows.append(Row("structured: decode speed constrained / unconstrained % (1/TPOT)", True, cost("pagedllm"),
                     {"vllm": cost("vllm")}, ">= 90% (ours)"))
 
-    qname = "quantized (GGUF as stored)"
-    rows.append(Row(f"{qname}: single stream median TPOT ms", False, srv("quant-single", "pagedllm-int4",
-                    "median_tpot_ms"), {"llamacpp": srv("quant-single", "llamacpp", "median_tpot_ms")},
-                    ">= 1.25x llama.cpp"))
-    rows.append(Row(f"{qname}: TTFT ms, 128 tokens (median)", False, srv("quant-single", "pagedllm-int4",
-                    "median_ttft_ms"), {"llamacpp": srv("quant-single", "llamacpp", "median_ttft_ms")},
-                    ">= 1.0x llama.cpp"))
-    rows.append(Row(f"{qname}: TTFT ms, 1,024 tokens (median)", False, srv("quant-ttft1024", "pagedllm-int4",
-                    "median_ttft_ms"), {"llamacpp": srv("quant-ttft1024", "llamacpp", "median_ttft_ms")},
-                    ">= 1.0x llama.cpp"))
-    rows.append(Row(f"{qname}: chat, 8 clients, output tok/s", True, srv("quant-chat8", "pagedllm-int4",
-                    "output_throughput"), {"llamacpp": srv("quant-chat8", "llamacpp", "output_throughput")},
-                    ">= 1.5x llama.cpp"))
+    q = "quantized (GGUF as stored)"
+    for metric, section, key, higher, target in (
+            ("single stream median TPOT ms", "quant-single", "median_tpot_ms", False, ">= 1.25x llama.cpp"),
+            ("TTFT ms, 128 tokens (median)", "quant-single", "median_ttft_ms", False, ">= 1.0x llama.cpp"),
+            ("TTFT ms, 1,024 tokens (median)", "quant-ttft1024", "median_ttft_ms", False, ">= 1.0x llama.cpp"),
+            ("chat, 8 clients, output tok/s", "quant-chat8", "output_throughput", True, ">= 1.5x llama.cpp")):
+        rows.append(Row(f"{q}: {metric}", higher, srv(section, "pagedllm-int4", key),
+                        {"llamacpp": srv(section, "llamacpp", key)}, target))
 
     def new_schema_cost(eng, suffix=""):
         """Median over the requests whose schema is new to the server of (their TTFT constrained - the same request's

@@ -282,8 +282,7 @@ class StructuredOutputManager:
             rows.append(rid)
         if not rows and not compiling:
             return None
-        backend = self._backend_now() if rows else None
-        bitmask = backend.allocate_bitmask(len(rows) + len(compiling)) if rows else None
+        bitmask = self._backend_now().allocate_bitmask(len(rows) + len(compiling)) if rows else None
         for j, rid in enumerate(rows):
             self._fill_row(states[rid], bitmask, j)
         unsampled = frozenset()
