@@ -593,21 +593,69 @@ def test_smollm2_quantized_memory_and_greedy():
     print(f"greedy identical for {exact}/3 prompts; {time.perf_counter() - t0:.1f} s")
 
 
+_TEACHER_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a wooden screw press. Within fifty years, presses were at work in more than two "
+    "hundred European cities, and the price of books fell sharply. Scholars could compare identical copies of a "
+    "text for the first time, which changed how knowledge was checked and shared.\n\n"
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
+    "Question: What is the capital of France? Answer: The capital of France is Paris, which lies on the Seine.")
+
+
+def _teacher_forced_logprobs(llm, text: str) -> "np.ndarray":
+    """The model's log-probability of each token of ``text`` given the ones before it (``prompt_logprobs``)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    o = llm.generate([text], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return np.array([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])])
+
+
 @pytest.mark.slow
-def test_smollm2_quantized_bf16_chat_answers_like_dense():
+def test_smollm2_quantized_bf16_adds_no_error_beyond_bf16():
     """Regression: with bf16-rounded per-row scales of the int8 embedding / tied LM head, the quantized model in bf16
-    answered this with gibberish ("L'Etoile, la Marseillaise, ...") while the dense and float32 runs said Paris."""
+    answered "What is the capital of France?" with "L'Etoile, la Marseillaise, ..." where float32 said Paris.
+
+    Comparing bf16 answers can't test that: float32's first-token margin there is 0.08 nats ("The" over "L"), about
+    two rms of bf16's own logprob noise, so the *dense* bf16 model flips too on some kernels (measured on a Xeon
+    without AMX, level avx512_bf16: "The" -2.007 vs "L" -1.959; float32: -1.883 vs -1.965). What the quantized path
+    must not do is add error of its own: teacher-forced over a text, its bf16 logprobs are as close to its float32
+    ones as the dense model's bf16 logprobs are to the dense float32 ones; and in float32 both answer Paris.
+
+    That comparison only catches gross errors (bf16 rounding noise from the layers dominates it: rounding the
+    logits to bf16, or the table's scales to bf16, moves its rms by less than 0.01), so the head itself is checked
+    directly: on bf16 hidden states, the bf16 model's head gives float32 logits within float32 rounding of a float64
+    product with the file's table (a bf16 rounding anywhere would be a 2^-9 relative error)."""
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.layers.quantization.kquant import quantize_activations
     from pagedllm.sampling_params import SamplingParams
 
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     sp = SamplingParams(temperature=0, max_tokens=12)
-    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=32 << 20, max_model_len=256)
-    quant = LLM(quantization="gguf", **kw)
-    assert quant.llm_engine.engine_core.runner.model.lm_head.kind == "kquant"  # the Q8_0 table as stored
-    got = quant.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
-    want = LLM(quantization="none", **kw).chat(msgs, sp, use_tqdm=False)[0].outputs[0].text
-    assert "Paris" in want and got == want
+    rms, heads = {}, {}
+    for quantization in ("gguf", "none"):
+        lps = {}
+        for dtype in ("bfloat16", "float32"):
+            llm = LLM(quantization=quantization, dtype=dtype, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+            if quantization == "gguf":
+                heads[dtype] = llm.llm_engine.engine_core.runner.model.lm_head
+                assert heads[dtype].kind == "kquant"  # the Q8_0 table as stored
+            if dtype == "float32":
+                assert "Paris" in llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text, (quantization, dtype)
+            lps[dtype] = _teacher_forced_logprobs(llm, _TEACHER_TEXT)
+            del llm
+        d = lps["bfloat16"] - lps["float32"]
+        rms[quantization] = float(np.sqrt(np.mean(d * d)))
+    print(f"bf16 vs float32 logprob rms over {len(d)} tokens: quantized {rms['gguf']:.4f}, dense {rms['none']:.4f}")
+    assert 0 < rms["gguf"] <= 1.25 * rms["none"] + 0.005, rms
+
+    vocab, dim = heads["float32"].num_embeddings, heads["float32"].embedding_dim
+    table = heads["float32"](torch.arange(vocab)).double()  # [vocab, dim]: the file's Q8_0 values (exact in float32)
+    h = torch.randn(16, dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    got = heads["bfloat16"].logits(h)
+    # the kernel's one approximation is its 15-bit activations (test_kquant's bound); against those, float32 rounding
+    xq = quantize_activations(h).dequantize().double()
+    assert got.dtype == torch.float32
+    assert ((got.double() - xq @ table.T).abs() <= (dim / 16 + 16) * 2.0**-24 * (xq.abs() @ table.abs().T)).all()
 
 
 @pytest.mark.parametrize("layout", ["avx512", "avx2", "default"])
