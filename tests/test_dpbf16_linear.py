@@ -195,3 +195,53 @@ def _packed_linear_case():
     assert logits.dtype == torch.float32
     ref0, err0 = _ref_and_bound(x.reshape(10, 576), w, None)
     assert ((logits.reshape(10, 384).double() - ref0).abs() <= err0).all()
+
+
+def _adversarial_bf16(gen, shape, lo: int, hi: int) -> torch.Tensor:
+    """bf16 values of random sign and mantissa with exponents uniform in [lo, hi] (powers of two; below -126 the
+    values are bf16 denormals), some exact zeros."""
+    e = torch.randint(lo, hi + 1, shape, generator=gen).double()
+    m = 1 + torch.rand(shape, generator=gen, dtype=torch.float64)
+    s = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0).double()
+    v = (s * m * torch.pow(2.0, e)).float()
+    v[torch.rand(shape, generator=gen) < 0.02] = 0
+    return v.bfloat16()
+
+
+def _intel_model():
+    """The CPU's model number if it is an Intel family-6 CPU (/proc/cpuinfo), else None."""
+    info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    if info.get("vendor_id") == "GenuineIntel" and info.get("cpu family") == "6":
+        return int(info.get("model", -1))
+    return None
+
+
+def test_fma_path_gives_vdpbf16ps_bits():
+    """The AVX-512 build's FMA path (float32 FMAs, odd K first, under DAZ + FTZ) gives VDPBF16PS's bits; dpbf16_tune
+    enables it only after checking that on this CPU, so a row's result is the same whichever path its call takes.
+    Data the tune didn't see: activations from bf16 denormals to 2^30, weights 2^-20..2^4 (cancellations, products
+    that underflow), every mode, row counts that split into every row-block remainder and into work units."""
+    lib = _lib("avx512_bf16")
+    rows = lib.dpbf16_tune()
+    if rows == 0:
+        # Sapphire/Emerald/Granite Rapids retire VDPBF16PS at half FMA's rate: there a zero means a broken FMA path
+        assert _intel_model() not in (143, 173, 207), "the FMA path failed dpbf16_tune's bit check on this Xeon"
+        pytest.skip("dpbf16_tune left the FMA path off on this CPU (other bits or not faster)")
+    gen = torch.Generator().manual_seed(11)
+    try:
+        for mode in (0, 1, 2, 3):
+            n, k = (1024, 320) if mode in (1, 2) else (992, 320)
+            w = _adversarial_bf16(gen, (n, k), -20, 4)
+            b = torch.randn(n, generator=gen)
+            p = _pack(lib, _interleave_halves(w) if mode in (1, 2) else w)
+            for m in (1, 5, 6, 13, 97, 200):
+                x = _adversarial_bf16(gen, (m, k), -140, 30)
+                lib.dpbf16_set_fma_rows(0)
+                want = _call(lib, x, p, n, b, mode)
+                lib.dpbf16_set_fma_rows(1)
+                got = _call(lib, x, p, n, b, mode)
+                assert torch.equal(got.view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32),
+                                   want.view(torch.int16 if want.dtype == torch.bfloat16 else torch.int32)), (mode, m)
+    finally:
+        assert lib.dpbf16_tune() == rows

@@ -80,6 +80,10 @@ def _bind(name: str, level: str, march: Optional[list]) -> Optional[ctypes.CDLL]
     if name == "amx" and not lib.amx_supported():  # Linux refused this process the AMX tile state
         logger.warning("AMX kernels unavailable: the OS did not grant the AMX tile state.")
         return None
+    if name == "dpbf16" and march is None and lib.dpbf16_supported() == 2:
+        rows = lib.dpbf16_tune()  # a speed choice only: both paths give the same bits (checked in the call)
+        logger.info("dpbf16 linear (%s): %s", level, f"FMA path from {rows} rows (VDPBF16PS's bits, faster here)"
+                    if rows else "VDPBF16PS at every size")
     return lib
 
 

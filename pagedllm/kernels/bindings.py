@@ -62,6 +62,8 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "dpbf16_supported": Fn((), I32),
         "dpbf16_pack": Fn((P, I64, I64, P)),
         "dpbf16_linear_bf16": _LINEAR,
+        "dpbf16_set_fma_rows": Fn((I32,)),
+        "dpbf16_tune": Fn((), I32),
     }, _FAST_MATH),
     Library("int4", ("int4_cpu.c",), ("amx", "avx512_bf16", "avx2"), {
         "int4_gemm": Fn((P, I64, I64, P, P, I64, I64, I64, P, I32)),

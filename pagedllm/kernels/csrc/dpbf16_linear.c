@@ -34,7 +34,9 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bf16.h"
 #include "pagedllm_kernels.h"
@@ -57,6 +59,8 @@
 #define UNIT_WEIGHT_BYTES (256 * 1024)  /* weights of one work unit (at most) when M > UNIT_ROWS, bytes */
 #define KC 128                          /* K pairs of one pass over the rows: 16 KB of a block's weights */
 #define PF_PAIRS 64                     /* weights prefetched this many K pairs ahead (8 KB of a 64-column block) */
+
+static int fma_min_rows = 0; /* AVX-512: rows from which the FMA path runs (dpbf16_tune), 0: never */
 
 /* 2: AVX512-BF16 kernels, 1: AVX2 + FMA, 0: scalar C. */
 int dpbf16_supported(void) { return DP_LEVEL; }
@@ -92,15 +96,46 @@ static inline int64_t out_col(int64_t N, int64_t b, int v, int mode) {
 }
 
 #if DP_LEVEL == 2
-/* rows [0, mr) of x (row stride K) x block weights wb (nv vectors a pair) -> emitted into out rows. */
-static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
-                                                               const int nv, const int mr, int64_t p0, int64_t p1,
-                                                               float *ab, int first, int last, int pf,
-                                                               const float *bias, void *out, int64_t ldo, int64_t N,
-                                                               int64_t b, int mode) {
+static inline __attribute__((always_inline)) void emit_rows(__m512 acc[MR][4], const int nv, const int mr,
+                                                             float *ab, int last, const float *bias, void *out,
+                                                             int64_t ldo, int64_t N, int64_t b, int mode);
+
+/* rows [0, mr) of x (row stride K) x block weights wb (nv vectors a pair) -> emitted into out rows.
+ * xf == NULL: VDPBF16PS on the bf16 rows x. Else the FMA path on xf, x as float32: per K pair
+ * acc = fma(x[2p], w[2p], fma(x[2p+1], w[2p+1], acc)) under DAZ + FTZ, which is VDPBF16PS's arithmetic (SDM: the odd
+ * product is added first, each addition rounded to nearest even in float32, denormal inputs and results zero), so
+ * the two paths give the same bits (dpbf16_tune checks this on the CPU before it enables the FMA path). */
+static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, const float *xf, int64_t K,
+                                                               const uint16_t *wb, const int nv, const int mr,
+                                                               int64_t p0, int64_t p1, float *ab, int first,
+                                                               int last, int pf, const float *bias, void *out,
+                                                               int64_t ldo, int64_t N, int64_t b, int mode) {
     __m512 acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(ab + 64 * r + 16 * v);
+    if (xf) {
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040); /* DAZ (bit 6) + FTZ (bit 15), as VDPBF16PS */
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int64_t p = p0; p < p1; p++) {
+            if (pf)
+                for (int v = 0; v < nv; v++)
+                    _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T0);
+            for (int v = 0; v < nv; v++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
+                const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+                for (int r = 0; r < mr; r++) {
+                    const float *xr = xf + r * K + 2 * p;
+                    acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), wo, acc[r][v]);
+                    acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), we, acc[r][v]);
+                }
+            }
+        }
+        _mm_setcsr(csr);
+        emit_rows(acc, nv, mr, ab, last, bias, out, ldo, N, b, mode);
+        return;
+    }
     for (int64_t p = p0; p < p1; p++) {
         __m512i w[4];
         for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
@@ -115,6 +150,13 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
                 acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)xb, (__m512bh)w[v]);
         }
     }
+    emit_rows(acc, nv, mr, ab, last, bias, out, ldo, N, b, mode);
+}
+
+/* The float32 sums of rows [0, mr): kept in ab (not the last K chunk), else + bias and written as `mode` says. */
+static inline __attribute__((always_inline)) void emit_rows(__m512 acc[MR][4], const int nv, const int mr,
+                                                             float *ab, int last, const float *bias, void *out,
+                                                             int64_t ldo, int64_t N, int64_t b, int mode) {
     if (!last) {
         for (int r = 0; r < mr; r++)
             for (int v = 0; v < nv; v++) _mm512_store_ps(ab + 64 * r + 16 * v, acc[r][v]);
@@ -237,12 +279,13 @@ static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_
 }
 /* One row: the whole block at once (8 accumulators); several rows: two 16-column vectors at a time (a gate/up pair)
  * for MR rows (8 accumulators). Either way each element's sum runs over K in the same order. */
-static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb,
-                                                               const int nv, const int mr, int64_t p0, int64_t p1,
-                                                               float *ab, int first, int last, int pf,
-                                                               const float *bias, void *out, int64_t ldo, int64_t N,
-                                                               int64_t b, int mode) {
+static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, const float *xf, int64_t K,
+                                                               const uint16_t *wb, const int nv, const int mr,
+                                                               int64_t p0, int64_t p1, float *ab, int first,
+                                                               int last, int pf, const float *bias, void *out,
+                                                               int64_t ldo, int64_t N, int64_t b, int mode) {
     (void)pf;
+    (void)xf;
     if (mr == 1) {
         kernel_rows_part(x, K, wb, nv, 0, nv, 1, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
     } else {
@@ -266,10 +309,11 @@ static __attribute__((noinline)) void row_sums(const uint16_t *x, int64_t p0, in
         acc[j] = a;
     }
 }
-static void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb, const int nv, const int mr, int64_t p0,
-                        int64_t p1, float *ab, int first, int last, int pf, const float *bias, void *out, int64_t ldo,
-                        int64_t N, int64_t b, int mode) {
+static void kernel_rows(const uint16_t *x, const float *xf, int64_t K, const uint16_t *wb, const int nv, const int mr,
+                        int64_t p0, int64_t p1, float *ab, int first, int last, int pf, const float *bias, void *out,
+                        int64_t ldo, int64_t N, int64_t b, int mode) {
     (void)pf;
+    (void)xf;
     const float *bb = bias ? bias + 64 * b : NULL;
     for (int r = 0; r < mr; r++) {
         float *acc = ab + 64 * r;
@@ -301,8 +345,8 @@ static void kernel_rows(const uint16_t *x, int64_t K, const uint16_t *wb, const 
 /* Rows [m0, m1) (at most UNIT_ROWS) of block b: K in chunks of KC pairs (their weights stay in L1 while every row
  * block passes, the partial sums wait in float32 in `ab`, so each element is still summed in K order); the row blocks
  * of MR rows, the last one shorter (each size its own unrolled kernel). */
-static void block_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t K, const uint16_t *P, int64_t N,
-                       int64_t b, const float *bias, void *out, int mode) {
+static void block_rows(const uint16_t *x, const float *xf, int64_t m0, int64_t m1, int64_t K, const uint16_t *P,
+                       int64_t N, int64_t b, const float *bias, void *out, int mode) {
     const int nv = block_nv(N, b);
     const uint16_t *wb = P + 64 * b * K;
     const int64_t ldo = mode == 2 ? N / 2 : N;
@@ -315,9 +359,10 @@ static void block_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t K, con
     for (int64_t m = m0; m < m1; m += MR) {
         const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
         const uint16_t *xm = x + m * K;
+        const float *xfm = xf ? xf + m * K : NULL;
         void *om = (char *)out + m * ldo * esz;
         float *am = ab + (m - m0) * 64;
-#define KR(NV, R) kernel_rows(xm, K, wb, NV, R, p0, p1, am, first, last, m == m0, bias, om, ldo, N, b, mode)
+#define KR(NV, R) kernel_rows(xm, xfm, K, wb, NV, R, p0, p1, am, first, last, m == m0, bias, om, ldo, N, b, mode)
 #define KNV(R) \
     if (nv == 4) KR(4, R); else KR(2, R);
         switch (mr) {
@@ -343,6 +388,14 @@ static void block_rows(const uint16_t *x, int64_t m0, int64_t m1, int64_t K, con
  * [M, N / 2] bf16; mode 3: [M, N] float32 (`out` points to float32 memory). */
 void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
                         void *out, int mode) {
+    float *xf = NULL; /* the FMA path's float32 copy of x */
+#if DP_LEVEL == 2
+    if (fma_min_rows > 0 && M >= fma_min_rows) xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+    if (xf) {
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+        for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    }
+#endif
     const int64_t NB = num_blocks(N);
     const int nthr = omp_get_max_threads();
     const int64_t nmc = (M + UNIT_ROWS - 1) / UNIT_ROWS;
@@ -355,6 +408,76 @@ void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
     for (int64_t u = 0; u < units; u++) {
         const int64_t b0 = (u / nmc) * bcu, b1 = b0 + bcu < NB ? b0 + bcu : NB;
         const int64_t mlo = (u % nmc) * UNIT_ROWS, mhi = mlo + UNIT_ROWS < M ? mlo + UNIT_ROWS : M;
-        for (int64_t b = b0; b < b1; b++) block_rows(x, mlo, mhi, K, P, N, b, bias, out, mode);
+        for (int64_t b = b0; b < b1; b++) block_rows(x, xf, mlo, mhi, K, P, N, b, bias, out, mode);
     }
+    free(xf);
+}
+
+/* Rows from which dpbf16_linear_bf16 takes the FMA path (0: never; dpbf16_tune sets it). */
+void dpbf16_set_fma_rows(int rows) { fma_min_rows = DP_LEVEL == 2 ? rows : 0; }
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Enables the FMA path where it gives VDPBF16PS's bits and is faster; returns the rows it starts at (0: off).
+ * 1. Bits: a gated layer (mode 3 and mode 2) on rows of every magnitude from 2^-140 (bf16 denormals) to 2^20 and
+ *    weights of mixed signs, both paths, compared bit for bit (a CPU whose VDPBF16PS rounds otherwise fails here).
+ * 2. Speed: a prefill-shaped call (96 x 576 -> 1536), best of 3 each, one thread; the FMA path must be >= 1.15x.
+ * On the Xeons here without AMX, VDPBF16PS retires one per two cycles and FMA two per cycle (measured: 78 vs 172
+ * GFLOP/s on one core), so the FMA path does twice the work per cycle once the weights are converted;
+ * at decode sizes both wait on memory, so it starts at FMA_TUNE_ROWS rows. */
+#define FMA_TUNE_ROWS 8
+int dpbf16_tune(void) {
+    fma_min_rows = 0;
+#if DP_LEVEL == 2
+    const int64_t K = 576, N = 1536, M = 96;
+    uint16_t *W = malloc(N * K * 2), *P = malloc(N * K * 2), *x = malloc(M * K * 2);
+    float *o1 = malloc(M * N * 4), *o2 = malloc(M * N * 4), *bias = malloc(N * 4);
+    int ok = W && P && x && o1 && o2 && bias;
+    uint64_t s = 0x9E3779B97F4A7C15ull;
+    for (int64_t i = 0; ok && i < N * K + M * K + N; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t r = (uint32_t)(s >> 33);
+        /* sign, exponent spread over 2^-140..2^20 for x (denormals included), 2^-8..2^2 for W */
+        const int e = i < N * K ? 119 + (int)(r % 11) : (int)(r % 161) - 13;
+        const uint16_t v = (uint16_t)(((r >> 31) << 15) | ((uint32_t)(e < 0 ? 0 : e) << 7) | ((r >> 8) & 0x7F));
+        if (i < N * K) W[i] = v;
+        else if (i < N * K + M * K) x[i - N * K] = v;
+        else bias[i - N * K - M * K] = (float)((int)(r % 2001) - 1000) * 1e-3f;
+    }
+    if (ok) {
+        dpbf16_pack(W, N, K, P);
+        for (int mode = 3; ok && mode >= 2; mode--) {
+            static const int ms[] = {1, 5, 6, 7, 13, 96}; /* every row-block remainder, several blocks */
+            for (int i = 0; ok && i < 6; i++) {
+                const int64_t m = ms[i];
+                fma_min_rows = 0;
+                dpbf16_linear_bf16(x, m, K, P, N, bias, o1, mode);
+                fma_min_rows = 1;
+                dpbf16_linear_bf16(x, m, K, P, N, bias, o2, mode);
+                ok = memcmp(o1, o2, (size_t)(m * (mode == 3 ? N * 4 : N))) == 0;
+            }
+        }
+    }
+    if (ok) {
+        const int nthr = omp_get_max_threads();
+        omp_set_num_threads(1);
+        double best[2] = {1e30, 1e30};
+        for (int rep = 0; rep < 6; rep++) {
+            fma_min_rows = rep & 1;
+            const double t0 = seconds();
+            dpbf16_linear_bf16(x, M, K, P, N, NULL, o1, 0);
+            const double t = seconds() - t0;
+            if (t < best[rep & 1]) best[rep & 1] = t;
+        }
+        omp_set_num_threads(nthr);
+        ok = best[0] >= 1.15 * best[1];
+    }
+    free(W); free(P); free(x); free(o1); free(o2); free(bias);
+    fma_min_rows = ok ? FMA_TUNE_ROWS : 0;
+#endif
+    return fma_min_rows;
 }

@@ -52,6 +52,10 @@ int dpbf16_supported(void); /* the path compiled in: 2 AVX512-BF16, 1 AVX2 + FMA
 void dpbf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *P);
 void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *P, int64_t N, const float *bias,
                         void *out, int mode);
+/* AVX512-BF16 build: the FMA path (VDPBF16PS's bits at FMA's rate) from `rows` rows on (0: off); tune checks bits
+ * and speed on this CPU, sets it, and returns the rows (0: off; always 0 in the AVX2 and scalar builds). */
+void dpbf16_set_fma_rows(int rows);
+int dpbf16_tune(void);
 
 /* ---- int4_cpu.c: int4 / int8 weight-only matmuls ---- */
 void int4_gemm(const void *x, int64_t M, int64_t K, const uint8_t *packed, const void *sz, int64_t G,
