@@ -121,14 +121,21 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
             if (pf)
                 for (int v = 0; v < nv; v++)
                     _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T0);
-            for (int v = 0; v < nv; v++) {
-                const __m512i w = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
-                const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-                const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+            /* two vectors at a time (4 weight registers + 24 accumulators + 2 broadcasts); the opaque row pointer
+             * keeps the compiler from holding all 12 broadcasts across them (register moves, measured slower) */
+            for (int v = 0; v < nv; v += 2) {
+                const __m512i w0 = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
+                const __m512i w1 = _mm512_loadu_si512((const void *)(wb + (p * nv + v + 1) * 32));
+                const __m512 we0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+                const __m512 wo0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+                const __m512 we1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+                const __m512 wo1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+                const float *x0 = xf + 2 * p;
+                __asm__("" : "+r"(x0));
                 for (int r = 0; r < mr; r++) {
-                    const float *xr = xf + r * K + 2 * p;
-                    acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), wo, acc[r][v]);
-                    acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), we, acc[r][v]);
+                    const __m512 xo = _mm512_set1_ps(x0[r * K + 1]), xe = _mm512_set1_ps(x0[r * K]);
+                    acc[r][v] = _mm512_fmadd_ps(xe, we0, _mm512_fmadd_ps(xo, wo0, acc[r][v]));
+                    acc[r][v + 1] = _mm512_fmadd_ps(xe, we1, _mm512_fmadd_ps(xo, wo1, acc[r][v + 1]));
                 }
             }
         }
