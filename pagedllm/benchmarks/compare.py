@@ -607,8 +607,10 @@ def floor_table(runs: list[Run]) -> str:
         return "(no `bench floor` run with machine limits)"
     rows = {r["batch_size"]: r for r in fl["floor"]}
     lim, shapes = fl["limits"], fl["shapes"]
-    lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): bf16 GEMM peak {lim['gemm_peak_gflops']:.0f} "
-             f"GFLOP/s, memory read {lim['mem_read_gb_per_s']:.1f} GB/s.", "",
+    peak_dtype = {"bfloat16": "bf16", "float32": "float32"}.get(lim.get("gemm_peak_dtype", "bfloat16"), "bf16")
+    lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): GEMM peak {lim['gemm_peak_gflops']:.0f} "
+             f"GFLOP/s ({peak_dtype} matmuls; a bf16 matmul may run at either rate), memory read "
+             f"{lim['mem_read_gb_per_s']:.1f} GB/s.", "",
              "| figure | ours | floor | ours as % of the floor's speed |", "|---|---|---|---|"]
 
     def line(what: str, ours: Optional[float], floor: Optional[float], unit: str, higher_better: bool) -> None:
