@@ -55,6 +55,13 @@ def test_verify_rows_equal_decode_rows_bitwise(level, dtype, window):
     v = torch.randn(T, KVH * D).to(dtype)
     kv = torch.randn(2, NB, BS, KVH, D).to(dtype)
     cfg = dataclasses.replace(kernels.config(), level=level)
+    differ = []  # rows not bitwise as their reference (tolerated at level none only: see below)
+
+    def same(a, b, r, j):
+        if not torch.equal(a, b):
+            assert level == "none", (level, r, j)
+            differ.append((r, j))
+
     with kernels.use(cfg):
         out = _step(attn, q, k, v, kv, query_lens, seq_lens, bt, verify)
         plain = _step(attn, q, k, v, kv.clone(), query_lens, seq_lens, bt)  # verify rows as a prefill chunk
@@ -65,16 +72,20 @@ def test_verify_rows_equal_decode_rows_bitwise(level, dtype, window):
                 pos = seq_lens[r] - query_lens[r] + j  # the position this row computes
                 # the plain decode step at that position, alone and beside request 1's decode
                 alone = _step(attn, q[row:row + 1], k[row:row + 1], v[row:row + 1], kv, [1], [pos + 1], bt[r:r + 1])
-                assert torch.equal(out[row], alone[0]), (level, r, j)
+                same(out[row], alone[0], r, j)
                 rows = [row, starts[1]]
                 both = _step(attn, q[rows], k[rows], v[rows], kv, [1, 1], [pos + 1, seq_lens[1]], bt[[r, 1]])
-                assert torch.equal(out[row], both[0]), (level, r, j)
+                same(out[row], both[0], r, j)
         # the other requests' rows are what they are without verify rows in the step
         others = torch.cat([torch.arange(6, 7), torch.arange(7, 19)])
-        assert torch.equal(out[others], plain[others])
+        same(out[others], plain[others], "others", None)
         # and the verify rows are still attention: close to the multi-query path's (which may differ in low bits)
         torch.testing.assert_close(out.float(), plain.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                    rtol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    if differ:  # level none: torch SDPA, not promised batch invariant (README "Batch invariance")
+        # measured on an AVX2-only EPYC (ATen capability AVX2), float32, 2 threads: a lone decode query's sums differ
+        # from the same query's among others (equal with 1 thread); AVX-512 CPUs give equal bits
+        pytest.xfail(f"level none: rows {differ} differ in low bits from their plain steps'")
 
 
 def test_verify_metadata_decode_entries():

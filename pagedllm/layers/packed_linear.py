@@ -11,7 +11,8 @@ Three backends, chosen per layer when it is packed:
 - **dpbf16** (``kernels/csrc/dpbf16_linear.c``, without AMX: VDPBF16PS at level ``avx512_bf16``, e.g. AMD Zen 4;
   AVX2 + FMA at level ``avx2``; same shape rule): our own kernel with the AMX kernel's ABI and output modes over a
   sequentially streamed layout, batch invariant (a row's sums run in the same order whatever the number of rows).
-  At ``avx2`` it is used while ``batch_invariant`` is on (the default); with it off oneDNN runs there.
+  At ``avx2`` it is used while ``batch_invariant`` is on (the default); with it off oneDNN runs there, unless the
+  CPU has no native oneDNN bf16 (AVX2-only CPUs such as Zen 2/3: there packed layers are ours, or stay ``nn.Linear``).
 - **oneDNN** otherwise: ``F.linear`` on a plain bf16 weight makes oneDNN reorder the weight into its blocked layout
   on every call, which at decode batch sizes costs as much as the matmul. Packing once
   (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's weight freezing uses) and calling
@@ -36,6 +37,7 @@ weight more: 113 MB for SmolLM2's tied head) and multiplies in float32.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -73,7 +75,8 @@ def _by32(n: int, k: int) -> bool:
 LINEAR_BACKENDS: tuple[LinearBackend, ...] = (
     LinearBackend("amx", "amx", "amx_pack", "amx_linear_bf16", _by32, lambda cfg: cfg.amx_linear),
     LinearBackend("dpbf16", "dpbf16", "dpbf16_pack", "dpbf16_linear_bf16", _by32,
-                  lambda cfg: cfg.level in ("amx", "avx512_bf16") or cfg.batch_invariant),
+                  lambda cfg: (cfg.level in ("amx", "avx512_bf16") or cfg.batch_invariant
+                               or not onednn_bf16_supported())),
 )
 
 
@@ -88,16 +91,31 @@ def linear_backend(out_features: int, in_features: int) -> Optional[tuple[Linear
     return None
 
 
-def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """True when bf16 weights on this CPU can be packed for oneDNN (and packing isn't switched off)."""
-    if not kernels.config().pack_weights:
-        return False
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+@functools.lru_cache(maxsize=1)
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 / AMX; false on AVX2-only CPUs such as
+    Zen 2/3, where only our kernels can take a packed bf16 layer)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when bf16 weights on this CPU can be packed (packing on): for one of our kernel backends (every level
+    with our libraries, AVX2 included) or for oneDNN where it runs bf16 natively. ``pack_linear_weights`` then packs
+    the layers one of them takes."""
+    if not kernels.config().pack_weights or device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    return onednn_bf16_supported() or any(b.enabled(kernels.config()) and kernels.lib(b.library) is not None
+                                          for b in LINEAR_BACKENDS)
+
+
+def _packable(out_features: int, in_features: int) -> bool:
+    """A layer of this shape gets a packed form here: one of our backends takes it, or oneDNN runs bf16."""
+    return linear_backend(out_features, in_features) is not None or onednn_bf16_supported()
 
 
 def amx_linear_supported() -> bool:
@@ -199,11 +217,12 @@ def _interleave_halves(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Replaces every exact ``nn.Linear`` of ``model`` by a ``PackedLinear``; a tied LM head (``model.lm_head`` an
+    """Replaces every exact ``nn.Linear`` of ``model`` that can be packed here (one of our backends takes its shape,
+    or oneDNN runs bf16 natively; others stay ``nn.Linear``) by a ``PackedLinear``; a tied LM head (``model.lm_head`` an
     ``nn.Embedding``) gets ``model.lm_head_packed``. Returns the number of layers packed. Call after loading."""
     # ``keep_weight``: a layer whose ``.weight`` the model reads directly (e.g. MLA's kv_b_proj) stays plain.
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and not getattr(m, "keep_weight", False)]
+               if type(m) is nn.Linear and not getattr(m, "keep_weight", False) and _packable(*m.weight.shape)]
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -213,9 +232,10 @@ def pack_linear_weights(model: nn.Module) -> int:
             packed.output_sizes = m.output_sizes
         setattr(parent, attr, packed)
     head = getattr(model, "lm_head", None)
-    if isinstance(head, nn.Embedding):
+    tied = isinstance(head, nn.Embedding) and _packable(*head.weight.shape)
+    if tied:
         model.lm_head_packed = PackedLinear(head.weight, None, logits_head=True)
-    return len(targets) + (1 if isinstance(head, nn.Embedding) else 0)
+    return len(targets) + int(tied)
 
 
 def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
