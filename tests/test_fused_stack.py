@@ -89,7 +89,7 @@ def test_fused_stack_equals_python_layer_loop(name, backend, level, tmp_path_fac
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not cpu_kernels.int4_gemv_supported(), reason="no int4 GEMV (AVX512-VNNI/VBMI/BF16) here")
+@pytest.mark.skipif(not cpu_kernels.int4_gemv_supported(), reason="no int4 GEMV here (level none)")
 def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
     """The bundled SmolLM2 GGUF kept 4-bit (int4 linears on the int4 GEMV, int8 embedding / LM head outside the loop).
     Batch invariant (the default): decode-only steps fuse (the GEMV is the decode rows' kernel), steps with prefill

@@ -5,13 +5,14 @@
  *
  * aten's op re-expands the weights for every activation row, so its cost grows with the batch. Here each
  * 64 x 32 weight tile is expanded once into float32 (in L1) and used for all M rows: the batched-decode kernel.
- * With AVX512-VNNI/VBMI/BF16, decode rows in bf16 instead run on integer dot products over the codes
- * (int4_gemv_bf16), and the per-row int8 LM head likewise (int8_logits_vnni); both at the end of this file.
+ * Decode rows in bf16 instead run on integer dot products over the codes (int4_gemv_bf16), and the per-row int8
+ * LM head likewise (int8_logits_vnni): vpdpbusd with AVX512-VNNI/VBMI/BF16, vpmaddwd with AVX2 + FMA, the same
+ * integers and float operations, so the same bits; both at the end of this file.
  */
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <string.h>
@@ -264,6 +265,14 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#define GEMV_VNNI 1 /* vpdpbusd on u8 codes x the activations' two s8 halves */
+#define GEMV_MR 2   /* activation rows sharing each expanded weight vector */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMV_AVX2 1 /* vpmaddwd on the codes widened to 16 bits x the 15-bit activations: the same integers */
+#define GEMV_MR 1
+#endif
+
+#ifdef GEMV_VNNI
 /* Int4 matmul for a few bf16 activation rows on integer dot products (vpdpbusd: 64 u8 x s8 products per instruction).
  *
  * Each activation row is quantized per weight group to 15 bits, x ~= xs * xq with xq = 128 * hi + lo
@@ -346,13 +355,84 @@ static inline __attribute__((always_inline)) void gemv_block(
         }
 }
 
+#endif /* GEMV_VNNI */
+
+#ifdef GEMV_AVX2
+/* The AVX2 form of the VNNI kernel above, with the same integers and the same float32 operations in the same order,
+ * so both builds give the same bits. Without a byte permute across lanes or a u8 x s8 dot into int32 that can't
+ * saturate, each activation row keeps its 15-bit xq whole (int16) and the codes are widened to 16 bits: two byte
+ * unpacks pair features (k, k + 1) of one weight row per 16-bit lane pair, an unpack with zero makes a 32-bit lane
+ * per row (row order 0-3 | 16-19, 4-7 | 20-23, ... per vector, put back in order once per group), and vpmaddwd
+ * against the broadcast pair (xq[k], xq[k + 1]) adds both products exactly in int32. The low nibble (rows 0..31)
+ * is a mask of that lane, the high one (rows 32..63) a shift. Per group sum_k q xq equals the VNNI kernel's
+ * 128 sum_k q hi + sum_k q lo, as xq = 128 hi + lo. One activation row per pass (16 ymm registers). */
+#define PF_FEATURES 64 /* prefetch distance in input features (x 32 bytes), as above */
+static inline __attribute__((always_inline)) void gemv_block(
+    const int MR, const int16_t *xq, int64_t K, const float *xscale, const float *xsum, int64_t n_groups,
+    const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out, void *out,
+    const int F32) {
+    (void)MR;
+    const __m256i zero = _mm256_setzero_si256(), lo4 = _mm256_set1_epi16(0x0F);
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+    float y[64] __attribute__((aligned(32))) = {0};
+    const uint8_t *pb = packed + b * K * 32;
+    for (int64_t g = 0; g < n_groups; g++) {
+        __m256i acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = zero;
+        if (g + 1 < n_groups)
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
+        for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+            _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
+            const __m256i f0 = _mm256_loadu_si256((const __m256i *)(pb + k * 32));       /* feature k, rows 0..31 */
+            const __m256i f1 = _mm256_loadu_si256((const __m256i *)(pb + (k + 1) * 32)); /* feature k + 1 */
+            const __m256i ulo = _mm256_unpacklo_epi8(f0, f1), uhi = _mm256_unpackhi_epi8(f0, f1);
+            const __m256i r[4] = {_mm256_unpacklo_epi8(ulo, zero), _mm256_unpackhi_epi8(ulo, zero),
+                                  _mm256_unpacklo_epi8(uhi, zero), _mm256_unpackhi_epi8(uhi, zero)};
+            int32_t xp;
+            memcpy(&xp, xq + k, 4);
+            const __m256i xv = _mm256_set1_epi32(xp);
+            for (int i = 0; i < 4; i++) {
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_and_si256(r[i], lo4), xv));
+                acc[4 + i] = _mm256_add_epi32(acc[4 + i], _mm256_madd_epi16(_mm256_srli_epi16(r[i], 4), xv));
+            }
+        }
+        const uint16_t *szg = sz + (g * N_pad + 64 * b) * 2; /* 64 (s, z) bf16 pairs: dword = s | z << 16 */
+        for (int h = 0; h < 2; h++) {
+            const __m256i *a = acc + 4 * h;
+            const __m256i d[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x20),
+                                  _mm256_permute2x128_si256(a[0], a[1], 0x31), _mm256_permute2x128_si256(a[2], a[3], 0x31)};
+            for (int i = 0; i < 4; i++) { /* rows 32 h + 8 i .. + 7 */
+                const int o = 32 * h + 8 * i;
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(szg + 2 * o));
+                const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+                const __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s,
+                                                   _mm256_castsi256_ps(_mm256_and_si256(p, hi_mask)));
+                const __m256 dot = _mm256_cvtepi32_ps(d[i]);
+                __m256 v = _mm256_fmadd_ps(zc, _mm256_set1_ps(xsum[g]), _mm256_load_ps(y + o));
+                v = _mm256_fmadd_ps(s, _mm256_mul_ps(dot, _mm256_set1_ps(xscale[g])), v);
+                _mm256_store_ps(y + o, v);
+            }
+        }
+    }
+    const int64_t n0 = 64 * b, cnt = n_out - n0 < 64 ? n_out - n0 : 64;
+    if (F32) { /* the same float32 sums, unrounded (logits) */
+        memcpy((float *)out + n0, y, sizeof(float) * (size_t)cnt);
+        return;
+    }
+    uint16_t *o = (uint16_t *)out + n0;
+    for (int64_t j = 0; j < cnt; j++) o[j] = f32_to_bf16(y[j]); /* round to nearest even, as vcvtneps2bf16 */
+}
+#endif /* GEMV_AVX2 */
+
+#if defined(GEMV_VNNI) || defined(GEMV_AVX2)
 /* out[M][n_out] (bf16, or float32 if F32) = x[M][K] (bf16) @ w.T over the CPU int4 pack with bf16
  * scales_and_zeros; K % G == 0, G % 4 == 0. Each row's arithmetic is the same whatever M is (batch invariant). */
 static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
                       int64_t N_pad, int64_t n_out, void *out, const int F32) {
     const int64_t esz = F32 ? 4 : 2;
     const int64_t n_groups = K / G;
-    int8_t *xq = (int8_t *)malloc((size_t)(2 * M * K)); /* hi [M][K], then lo [M][K] */
+    /* VNNI: hi [M][K] then lo [M][K] (int8); AVX2: xq [M][K] (int16) */
+    int8_t *xq = (int8_t *)malloc((size_t)(2 * M * K));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(2 * M * n_groups)); /* scale, then scale * sum(xq) */
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < n_groups; g++) {
@@ -363,8 +443,12 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
             int32_t sum = 0;
             for (int64_t k = 0; k < G; k++) {
                 const int32_t q = (int32_t)lrintf(bf16_to_f32(xg[k]) * inv); /* |q| <= 16383 */
-                xq[m * K + g * G + k] = (int8_t)(q >> 7);                    /* floor(q / 128) */
+#ifdef GEMV_VNNI
+                xq[m * K + g * G + k] = (int8_t)(q >> 7); /* floor(q / 128) */
                 xq[M * K + m * K + g * G + k] = (int8_t)(q & 127);
+#else
+                ((int16_t *)xq)[m * K + g * G + k] = (int16_t)q;
+#endif
                 sum += q;
             }
             xs[m * n_groups + g] = scale;
@@ -373,18 +457,23 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
     const int64_t nb = N_pad / 64;
 #pragma omp parallel for schedule(static) if (nb > 1)
     for (int64_t b = 0; b < nb; b++) {
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            const int8_t *xh = xq + m0 * K, *xl = xq + M * K + m0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += GEMV_MR) {
+#ifdef GEMV_VNNI
+#define XQ_ARGS xq + m0 * K, xq + M * K + m0 * K
+#else
+#define XQ_ARGS (const int16_t *)xq + m0 * K
+#endif
             const float *sc = xs + m0 * n_groups, *sm = xs + M * n_groups + m0 * n_groups;
             char *o = (char *)out + m0 * n_out * esz;
             if (F32 && M - m0 >= 2)
-                gemv_block(2, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
+                gemv_block(GEMV_MR, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
             else if (F32)
-                gemv_block(1, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
+                gemv_block(1, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
             else if (M - m0 >= 2)
-                gemv_block(2, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
+                gemv_block(GEMV_MR, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
             else
-                gemv_block(1, xh, xl, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
+                gemv_block(1, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
+#undef XQ_ARGS
         }
     }
     free(xq);
@@ -401,6 +490,7 @@ void int4_gemv_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
     gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 1);
 }
 
+#ifdef GEMV_VNNI
 /* Per-row int8 weights as logits on integer dot products: out[M][N] (float32) = scale[n] * sum_k x[m][k] q[n][k].
  * Each activation row is quantized to 22 bits (xq = round(x / xs), |xq| < 2^21, xs = max|x| / (2^21 - 1)) and
  * split into three s8 parts, xq = 2^14 a + 2^7 b + c (a in [-128, 127], b, c in [0, 127]); the weights enter
@@ -462,6 +552,63 @@ void int8_logits_vnni(const void *x, int64_t M, int64_t K, const int8_t *q, cons
     free(row_scale);
     free(row_sum);
 }
+
+#else /* GEMV_AVX2 */
+/* The AVX2 form of int8_logits_vnni, with the same bits: the same 22-bit xq split in two int16 parts instead,
+ * xq = 2^11 a + b (a = xq >> 11, |a| <= 1024; b in [0, 2047]), the int8 codes widened to int16 and vpmaddwd into
+ * int32 (|partial sums| < 2^31 for K < 2^15), so sum_k q xq = 2^11 A + B exactly in int64, then the same float32
+ * and float64 operations. K % 16 == 0. */
+void int8_logits_vnni(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                      float *out, int is_bf16) {
+    int16_t *parts = (int16_t *)aligned_alloc(32, (size_t)(4 * M * K + 32)); /* [M][2][K]: a, b */
+    double *row_scale = (double *)malloc(sizeof(double) * (size_t)M);
+    for (int64_t m = 0; m < M; m++) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(load_act(x, m * K + k, is_bf16)));
+        const float inv = amax > 0.0f ? 2097151.0f / amax : 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const int32_t v = (int32_t)lrintf(load_act(x, m * K + k, is_bf16) * inv);
+            parts[(m * 2 + 0) * K + k] = (int16_t)(v >> 11);
+            parts[(m * 2 + 1) * K + k] = (int16_t)(v & 2047);
+        }
+        row_scale[m] = amax / 2097151.0;
+    }
+    const int64_t nblk = (N + 3) / 4;
+#pragma omp parallel for schedule(static) if (nblk > 1)
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t n0 = blk * 4;
+        const int nr = N - n0 < 4 ? (int)(N - n0) : 4;
+        if (blk + 2 < nblk) /* the stream of weight rows two blocks ahead */
+            for (int64_t off = 0; off < 4 * K; off += 64) _mm_prefetch((const char *)(q + (n0 + 8) * K + off), _MM_HINT_T0);
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *pa = parts + m * 2 * K;
+            __m256i acc[4][2];
+            for (int c = 0; c < 4; c++) acc[c][0] = acc[c][1] = _mm256_setzero_si256();
+            for (int64_t k = 0; k < K; k += 16) {
+                const __m256i xa = _mm256_loadu_si256((const __m256i *)(pa + k));
+                const __m256i xb = _mm256_loadu_si256((const __m256i *)(pa + K + k));
+                for (int c = 0; c < 4; c++) {
+                    if (c >= nr) break;
+                    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + (n0 + c) * K + k)));
+                    acc[c][0] = _mm256_add_epi32(acc[c][0], _mm256_madd_epi16(w, xa));
+                    acc[c][1] = _mm256_add_epi32(acc[c][1], _mm256_madd_epi16(w, xb));
+                }
+            }
+            for (int c = 0; c < nr; c++) {
+                int32_t la[8], lb[8];
+                _mm256_storeu_si256((__m256i *)la, acc[c][0]);
+                _mm256_storeu_si256((__m256i *)lb, acc[c][1]);
+                int64_t A = 0, B = 0;
+                for (int l = 0; l < 8; l++) A += la[l], B += lb[l];
+                const int64_t dot = A * 2048 + B;
+                out[m * N + n0 + c] = (float)((double)dot * row_scale[m]) * scale[n0 + c];
+            }
+        }
+    }
+    free(parts);
+    free(row_scale);
+}
+#endif
 
 int int4_gemv_bf16_supported(void) { return 1; }
 #else

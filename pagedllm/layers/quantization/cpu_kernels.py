@@ -1,7 +1,7 @@
 """Torch-tensor wrappers of the int4 / int8 kernels (``kernels/csrc/int4_cpu.c``, the ``int4`` library of
-``pagedllm.kernels``): batched int4 / int8 matmuls, the int4 weight expansion and the integer-dot (VNNI) decode
-kernels. Where the library can't load (level ``none``, ``PAGEDLLM_CPU_KERNELS=0``, no compiler) ``get_lib()`` is None
-and the callers use the torch paths."""
+``pagedllm.kernels``): batched int4 / int8 matmuls, the int4 weight expansion and the integer-dot decode kernels
+(VNNI, or AVX2 with the same bits). Where the library can't load (level ``none``, ``PAGEDLLM_CPU_KERNELS=0``, no
+compiler) ``get_lib()`` is None and the callers use the torch paths."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Ten
 
 
 def int4_gemv_supported() -> bool:
-    """Whether ``int4_gemv_bf16`` exists in the active level's build (AVX512-VNNI, -VBMI and -BF16)."""
+    """Whether ``int4_gemv_bf16`` exists in the active level's build (AVX512-VNNI + VBMI + BF16, or AVX2 + FMA:
+    levels ``avx2`` and up; both builds give the same bits)."""
     lib = get_lib()
     return lib is not None and hasattr(lib, "int4_gemv_bf16")
 
@@ -53,7 +54,7 @@ def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torc
 
 def int8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` (bf16 / float32, contiguous; K % 16 == 0) @ (q * scale[:, None]).T -> float32 ``[M, N]``, with
-    ``scale [N]`` float32 applied last. With AVX512-VNNI and K % 64 == 0: integer dot products over x quantized to
+    ``scale [N]`` float32 applied last. With the integer-dot kernels (``int4_gemv_supported``) and K % 64 == 0: integer dot products over x quantized to
     22 bits per row (``int8_logits_vnni``; error ~2^-22 of the row's largest |x|, sums exact), else float32 sums."""
     lib = get_lib()
     fn = lib.int8_logits_vnni if x.shape[1] % 64 == 0 and int4_gemv_supported() else lib.int8_logits

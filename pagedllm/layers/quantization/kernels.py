@@ -10,7 +10,7 @@ Every scheme is converted at load into one of two canonical forms, then packed o
   (``s * (q - z_int)``) have zero ``s * (8 - z_int)``.
 - ``Int8Rows``: int8 codes with one scale per output row (``aten._weight_int8pack_mm``).
 
-Decode rows in bf16 run on our integer-dot kernel (``int4_gemv_bf16``, AVX512-VNNI); otherwise aten's int4 op, which
+Decode rows in bf16 run on our integer-dot kernel (``int4_gemv_bf16``, VNNI or AVX2); otherwise aten's int4 op, which
 costs about the same per activation row at any batch (no weight reuse across rows): batches of a few rows and more
 run on our C kernel, prefill expands the weight for one dense matmul (``int4_matmul``).
 
@@ -54,8 +54,8 @@ INT4_KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 # from DENSE_FALLBACK_MIN_TOKENS on (prefill): expand the whole weight (C, 2-3x faster than in torch) + one dense
 # matmul (576x1536 at M=128: C gemm 3.4 ms, expand 2.1 ms + dense 1.0 ms).
 INT4_GEMM_MIN_TOKENS = 6
-# bf16 activations, up to this many rows: our integer-dot kernel (int4_gemv_bf16), when the CPU has AVX512-VNNI,
-# -VBMI and -BF16. SmolLM2 shapes, 2 threads, M = 1, microseconds: 960x576 23 vs aten 38, 3072x576 53 vs 114,
+# bf16 activations, up to this many rows: our integer-dot kernel (int4_gemv_bf16), at levels avx2 and up
+# (invariance off; batch invariant: every decode row). SmolLM2 shapes, 2 threads, M = 1, microseconds: 960x576 23 vs aten 38, 3072x576 53 vs 114,
 # 576x1536 41 vs 59; at M = 8 it still beats the C gemm on the wide shapes, at 16 it does not.
 INT4_GEMV_MAX_TOKENS = 8
 INT8_GEMM_MIN_TOKENS = 24
