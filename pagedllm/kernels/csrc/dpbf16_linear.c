@@ -48,7 +48,9 @@
 #include "simd.h" /* silu16, round16_bf16, store16_bf16_bits: as cpu_ops.c's silu_mul */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DP_LEVEL 1
-#define MR 4
+/* 3 rows x 4 half-vectors = 12 accumulators + 2 weights + 2 broadcasts: the 16 ymm registers (4 rows spilled:
+ * 576 -> 1536 at 16-32 rows, 2 threads, Zen 3: ~55 vs ~75 GFLOP/s) */
+#define MR 3
 #include <immintrin.h>
 #else
 #define DP_LEVEL 0
@@ -234,7 +236,8 @@ static inline __m256 silu8(__m256 g) {
 }
 
 /* rows [0, mr) x the block's vectors [v0, v0 + nsv) (16 columns each; nv a pair in the layout). */
-static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_t *x, int64_t K, const uint16_t *wb,
+static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_t *x, const float *xf, int64_t K,
+                                                                    const uint16_t *wb,
                                                                     int nv, const int v0, const int nsv, const int mr,
                                                                     int64_t p0, int64_t p1, float *ab, int first,
                                                                     int last, const float *bias, void *out,
@@ -248,9 +251,11 @@ static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_
         for (int h = 0; h < 2 * nsv; h++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(wp + 16 * h));
             const __m256 we = even8(w), wo = odd8(w);
-            for (int r = 0; r < mr; r++) {
-                const __m256 xe = _mm256_set1_ps(bf16_to_f32(x[r * K + 2 * p]));
-                const __m256 xo = _mm256_set1_ps(bf16_to_f32(x[r * K + 2 * p + 1]));
+            for (int r = 0; r < mr; r++) { /* x's float32 copy: one vbroadcastss load each (the same values) */
+                const __m256 xe = xf ? _mm256_broadcast_ss(xf + r * K + 2 * p)
+                                     : _mm256_set1_ps(bf16_to_f32(x[r * K + 2 * p]));
+                const __m256 xo = xf ? _mm256_broadcast_ss(xf + r * K + 2 * p + 1)
+                                     : _mm256_set1_ps(bf16_to_f32(x[r * K + 2 * p + 1]));
                 acc[r][h] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[r][h]));
             }
         }
@@ -292,12 +297,11 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
                                                                int last, int pf, const float *bias, void *out,
                                                                int64_t ldo, int64_t N, int64_t b, int mode) {
     (void)pf;
-    (void)xf;
     if (mr == 1) {
-        kernel_rows_part(x, K, wb, nv, 0, nv, 1, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
+        kernel_rows_part(x, NULL, K, wb, nv, 0, nv, 1, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
     } else {
         for (int v0 = 0; v0 < nv; v0 += 2)
-            kernel_rows_part(x, K, wb, nv, v0, 2, mr, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
+            kernel_rows_part(x, xf, K, wb, nv, v0, 2, mr, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
     }
 }
 #else
@@ -380,7 +384,7 @@ static void block_rows(const uint16_t *x, const float *xf, int64_t m0, int64_t m
             case 4: KNV(4); break;
             case 5: KNV(5); break;
             default: KNV(6); break;
-#else
+#elif MR == 4
             default: KNV(4); break;
 #endif
         }
@@ -398,6 +402,10 @@ void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
     float *xf = NULL; /* the FMA path's float32 copy of x */
 #if DP_LEVEL == 2
     if (fma_min_rows > 0 && M >= fma_min_rows) xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+#elif DP_LEVEL == 1
+    if (M >= 2) xf = (float *)malloc((size_t)(M * K) * sizeof(float)); /* broadcast loads instead of conversions */
+#endif
+#if DP_LEVEL >= 1
     if (xf) {
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
         for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
