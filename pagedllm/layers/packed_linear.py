@@ -12,7 +12,7 @@ Three backends, chosen per layer when it is packed:
   AVX2 + FMA at level ``avx2``; same shape rule): our own kernel with the AMX kernel's ABI and output modes over a
   sequentially streamed layout, batch invariant (a row's sums run in the same order whatever the number of rows).
   At ``avx2`` it is used while ``batch_invariant`` is on (the default); with it off oneDNN runs there, unless the
-  CPU has no native oneDNN bf16 (AVX2-only CPUs such as Zen 2/3: there packed layers are ours, or stay ``nn.Linear``).
+  CPU has no native oneDNN bf16 (AVX2-only CPUs such as Zen 2/3: there a shape ours don't take runs ``F.linear``).
 - **oneDNN** otherwise: ``F.linear`` on a plain bf16 weight makes oneDNN reorder the weight into its blocked layout
   on every call, which at decode batch sizes costs as much as the matmul. Packing once
   (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's weight freezing uses) and calling
@@ -105,17 +105,13 @@ def onednn_bf16_supported() -> bool:
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """True when bf16 weights on this CPU can be packed (packing on): for one of our kernel backends (every level
-    with our libraries, AVX2 included) or for oneDNN where it runs bf16 natively. ``pack_linear_weights`` then packs
-    the layers one of them takes."""
+    with our libraries, AVX2 included) or for oneDNN where it runs bf16 natively (without it, a shape our backends don't take keeps its plain
+    weight inside the ``PackedLinear``: backend ``torch``)."""
     if not kernels.config().pack_weights or device.type != "cpu" or dtype != torch.bfloat16:
         return False
     return onednn_bf16_supported() or any(b.enabled(kernels.config()) and kernels.lib(b.library) is not None
                                           for b in LINEAR_BACKENDS)
 
-
-def _packable(out_features: int, in_features: int) -> bool:
-    """A layer of this shape gets a packed form here: one of our backends takes it, or oneDNN runs bf16."""
-    return linear_backend(out_features, in_features) is not None or onednn_bf16_supported()
 
 
 def amx_linear_supported() -> bool:
@@ -156,8 +152,10 @@ class PackedLinear(nn.Module):
                     b32 = None if b32 is None else _interleave_halves(b32[:, None])[:, 0].contiguous()
                 packed = torch.empty(w.numel(), dtype=torch.bfloat16)
                 getattr(kern, found[0].pack)(w.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
-            else:
+            elif onednn_bf16_supported():
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+            else:  # no kernel takes this shape and oneDNN has no bf16 here (AVX2-only CPUs): the plain weight
+                packed, self.backend = w, "torch"
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         # The packed kernels add a float32 bias (in packed row order) before their one rounding.
@@ -187,6 +185,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._amx is None:
+            if self.backend == "torch":
+                return F.linear(x, self.packed_weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return self._run(x, 1 if self.gated else 0, self.out_features)
 
@@ -217,12 +217,12 @@ def _interleave_halves(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Replaces every exact ``nn.Linear`` of ``model`` that can be packed here (one of our backends takes its shape,
-    or oneDNN runs bf16 natively; others stay ``nn.Linear``) by a ``PackedLinear``; a tied LM head (``model.lm_head`` an
+    """Replaces every exact ``nn.Linear`` of ``model`` by a ``PackedLinear`` (a shape no backend takes on a CPU
+    without oneDNN bf16 keeps its plain weight: backend ``torch``); a tied LM head (``model.lm_head`` an
     ``nn.Embedding``) gets ``model.lm_head_packed``. Returns the number of layers packed. Call after loading."""
     # ``keep_weight``: a layer whose ``.weight`` the model reads directly (e.g. MLA's kv_b_proj) stays plain.
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and not getattr(m, "keep_weight", False) and _packable(*m.weight.shape)]
+               if type(m) is nn.Linear and not getattr(m, "keep_weight", False)]
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -232,10 +232,9 @@ def pack_linear_weights(model: nn.Module) -> int:
             packed.output_sizes = m.output_sizes
         setattr(parent, attr, packed)
     head = getattr(model, "lm_head", None)
-    tied = isinstance(head, nn.Embedding) and _packable(*head.weight.shape)
-    if tied:
+    if isinstance(head, nn.Embedding):
         model.lm_head_packed = PackedLinear(head.weight, None, logits_head=True)
-    return len(targets) + int(tied)
+    return len(targets) + (1 if isinstance(head, nn.Embedding) else 0)
 
 
 def lm_head_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

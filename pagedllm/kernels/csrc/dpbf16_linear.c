@@ -48,10 +48,11 @@
 #include "simd.h" /* silu16, round16_bf16, store16_bf16_bits: as cpu_ops.c's silu_mul */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DP_LEVEL 1
+#include <immintrin.h>
+#include "simd.h" /* even8, odd8, silu8, round8_bf16, store8_bf16_bits */
 /* 3 rows x 4 half-vectors = 12 accumulators + 2 weights + 2 broadcasts: the 16 ymm registers (4 rows spilled:
  * 576 -> 1536 at 16-32 rows, 2 threads, Zen 3: ~55 vs ~75 GFLOP/s) */
 #define MR 3
-#include <immintrin.h>
 #else
 #define DP_LEVEL 0
 #define MR 4
@@ -196,45 +197,6 @@ static inline __attribute__((always_inline)) void emit_rows(__m512 acc[MR][4], c
     }
 }
 #elif DP_LEVEL == 1
-/* bf16 pairs (8 columns x 2) -> the 8 even (K index 2p) and 8 odd (2p + 1) weights as float32. */
-static inline __m256 even8(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
-static inline __m256 odd8(__m256i w) {
-    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-static inline __m256 load8_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-/* Round to nearest even float32 -> bf16 of 8 lanes (as f32_to_bf16). */
-static inline __m128i store8_bf16_bits(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-}
-static inline __m256 round8_bf16(__m256 v) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(store8_bf16_bits(v)), 16));
-}
-/* exp(x), x <= 0, as simd.h's exp16 (same polynomial; 2^n built in the exponent field instead of scalef). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-static inline __m256 silu8(__m256 g) {
-    const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
-
 /* rows [0, mr) x the block's vectors [v0, v0 + nsv) (16 columns each; nv a pair in the layout). */
 static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_t *x, const float *xf, int64_t K,
                                                                     const uint16_t *wb,

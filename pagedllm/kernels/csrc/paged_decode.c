@@ -391,6 +391,142 @@ static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_
 #else
 #define TRY_FAST_bf16(...) 0
 #endif
+#define DECODE_LANES 16
+#define DECODE_ND_A 4 /* head_dim 64 and 128: unrolled instantiations */
+#define DECODE_ND_B 8
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 path: the AVX-512 one with 8 float32 lanes (tiles of 8 tokens, no masks: tails go through small buffers);
+ * head_dim a multiple of 8, at most 256. */
+#include <omp.h>
+#include "simd.h"
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+
+/* out[i] = sum of the 8 lanes of a[i], i < 8 (two hadd rounds, then the two 128-bit halves added). */
+static inline __m256 reduce8(const __m256* a) {
+    const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+#define DEFINE_TASK_AVX2(NAME, T, LOADV, STORE)                                                               \
+static inline __attribute__((always_inline)) void NAME(                                                      \
+        const T* q, const T* k_cache, const T* v_cache, const int64_t* bt, int L, int start, int64_t row,     \
+        T* out, int H, int KVH, int h0, int h1, int G, int BS, float scale, int64_t q_stride, const int ND,   \
+        float* s, float* qf, float* acc, float* ktile) {                                                      \
+    const int D = ND * 8, ctx = L - start, NH = h1 - h0, GH = G * NH;                                         \
+    for (int gh = 0; gh < GH; ++gh) {                                                                         \
+        const T* qp = q + row * q_stride + ((int64_t)h0 * G + gh) * D;                                        \
+        for (int j = 0; j < ND; ++j)                                                                          \
+            _mm256_storeu_ps(qf + gh * D + 8 * j, _mm256_mul_ps(LOADV(qp + 8 * j), _mm256_set1_ps(scale)));   \
+    }                                                                                                         \
+    float mx[64];                                                                                             \
+    for (int gh = 0; gh < GH; ++gh) mx[gh] = -INFINITY;                                                       \
+    for (int t0 = start; t0 < L; t0 += 8) {                                                                   \
+        const int nt = L - t0 < 8 ? L - t0 : 8;                                                               \
+        const T* rowp[8];                                                                                     \
+        for (int i = 0; i < nt; ++i) {                                                                        \
+            const int t = t0 + i;                                                                             \
+            rowp[i] = k_cache + (bt[t / BS] * BS + t % BS) * (int64_t)KVH * D;                                \
+        }                                                                                                     \
+        if (t0 + 8 < L) { /* prefetch the next tile's rows of these heads (they are adjacent in memory) */   \
+            const int nn = L - t0 - 8 < 8 ? L - t0 - 8 : 8;                                                   \
+            for (int i = 0; i < nn; ++i) {                                                                    \
+                const int t = t0 + 8 + i;                                                                     \
+                const char* pk = (const char*)(k_cache + ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + h0) * D); \
+                const char* pv = (const char*)(v_cache + ((bt[t / BS] * BS + t % BS) * (int64_t)KVH + h0) * D); \
+                for (int c = 0; c < NH * D * (int)sizeof(T); c += 64) {                                       \
+                    _mm_prefetch(pk + c, _MM_HINT_T0);                                                        \
+                    _mm_prefetch(pv + c, _MM_HINT_T1);                                                        \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int kh = h0; kh < h1; ++kh) {                                                                    \
+            for (int i = 0; i < nt; ++i)                                                                      \
+                for (int j = 0; j < ND; ++j)                                                                  \
+                    _mm256_storeu_ps(ktile + i * D + 8 * j, LOADV(rowp[i] + (int64_t)kh * D + 8 * j));        \
+            for (int g = 0; g < G; ++g) {                                                                     \
+                const int gh = (kh - h0) * G + g;                                                             \
+                const float* qg = qf + gh * D;                                                                \
+                __m256 dots[8];                                                                               \
+                for (int i = 0; i < 8; ++i) {                                                                 \
+                    if (i < nt) {                                                                             \
+                        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(ktile + i * D));        \
+                        for (int j = 1; j < ND; ++j)                                                          \
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j),                                  \
+                                                _mm256_loadu_ps(ktile + i * D + 8 * j), a);                   \
+                        dots[i] = a;                                                                          \
+                    } else {                                                                                  \
+                        dots[i] = _mm256_setzero_ps();                                                        \
+                    }                                                                                         \
+                }                                                                                             \
+                float sv[8];                                                                                  \
+                _mm256_storeu_ps(sv, reduce8(dots));                                                          \
+                float* sg = s + (int64_t)gh * ctx + (t0 - start);                                             \
+                for (int i = 0; i < nt; ++i) {                                                                \
+                    sg[i] = sv[i];                                                                            \
+                    mx[gh] = sv[i] > mx[gh] ? sv[i] : mx[gh];                                                 \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    float inv_sum[64];                                                                                        \
+    for (int gh = 0; gh < GH; ++gh) {                                                                         \
+        float* sg = s + (int64_t)gh * ctx;                                                                    \
+        const __m256 m = _mm256_set1_ps(mx[gh]);                                                              \
+        __m256 sum = _mm256_setzero_ps();                                                                     \
+        int i = 0;                                                                                            \
+        for (; i + 8 <= ctx; i += 8) {                                                                        \
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));                                 \
+            _mm256_storeu_ps(sg + i, e);                                                                      \
+            sum = _mm256_add_ps(sum, e);                                                                      \
+        }                                                                                                     \
+        float lanes[8], tail[8] = {0};                                                                        \
+        const int nr = ctx - i;                                                                               \
+        if (nr > 0) { /* the last < 8 scores: exp of a padded vector, the pad lanes dropped */               \
+            for (int l = 0; l < nr; ++l) tail[l] = sg[i + l];                                                 \
+            _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), m)));                           \
+            for (int l = 0; l < 8; ++l) tail[l] = l < nr ? tail[l] : 0.0f;                                    \
+            for (int l = 0; l < nr; ++l) sg[i + l] = tail[l];                                                 \
+            sum = _mm256_add_ps(sum, _mm256_loadu_ps(tail));                                                  \
+        }                                                                                                     \
+        _mm256_storeu_ps(lanes, sum);                                                                         \
+        float tot = 0.0f;                                                                                     \
+        for (int l = 0; l < 8; ++l) tot += lanes[l];                                                          \
+        inv_sum[gh] = 1.0f / tot;                                                                             \
+    }                                                                                                         \
+    for (int i = 0; i < GH * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());                       \
+    for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {                                         \
+        const T* vrow = v_cache + (bt[b] * BS + o) * (int64_t)KVH * D;                                        \
+        if (++o == BS) { o = 0; ++b; }                                                                        \
+        for (int kh = h0; kh < h1; ++kh) {                                                                    \
+            const T* vp = vrow + (int64_t)kh * D;                                                             \
+            __m256 vv[32];                                                                                    \
+            for (int j = 0; j < ND; ++j) vv[j] = LOADV(vp + 8 * j);                                           \
+            for (int g = 0; g < G; ++g) {                                                                     \
+                const int gh = (kh - h0) * G + g;                                                             \
+                const __m256 p = _mm256_set1_ps(s[(int64_t)gh * ctx + (t - start)]);                          \
+                float* ag = acc + gh * D;                                                                     \
+                for (int j = 0; j < ND; ++j)                                                                  \
+                    _mm256_storeu_ps(ag + 8 * j, _mm256_fmadd_ps(p, vv[j], _mm256_loadu_ps(ag + 8 * j)));     \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (int gh = 0; gh < GH; ++gh) {                                                                         \
+        T* op = out + (row * H + (int64_t)h0 * G + gh) * D;                                                   \
+        for (int d = 0; d < D; ++d) op[d] = STORE(acc[gh * D + d] * inv_sum[gh]);                             \
+    }                                                                                                         \
+}
+
+DEFINE_TASK_AVX2(task_bf16, uint16_t, load8_bf16, f32_to_bf16)
+DEFINE_TASK_AVX2(task_f32, float, load8_f32, f32_id)
+#define TRY_FAST_bf16(...) 0
+#define DECODE_LANES 8
+#define DECODE_ND_A 8 /* head_dim 64 and 128 */
+#define DECODE_ND_B 16
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define TRY_FAST_f32(...) 0
 #ifndef AMX_TILES_WANTED
 #define AMX_TILES_WANTED(T, BS) 0
@@ -401,12 +537,12 @@ static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_
 
 /* Work split: one task per request (all its KV heads: sequential memory) when there are enough requests to keep
  * every thread busy, else one task per (request, KV head). */
-#define DEFINE_DECODE_AVX512(NAME, T, TASK, SCALAR, FAST)                                                          \
+#define DEFINE_DECODE_SIMD(NAME, T, TASK, SCALAR, FAST)                                                          \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, int64_t max_blocks,  \
           const int64_t* seq_lens, const int64_t* rows, T* out, int n, int H, int KVH, int D, int BS,        \
           float scale, int window, int64_t q_stride) {                                                        \
-    const int G = H / KVH, ND = D / 16;                                                                       \
-    if (D % 16 != 0 || D > 256 || H > 64) {                                                                   \
+    const int G = H / KVH, ND = D / DECODE_LANES;                                                             \
+    if (D % DECODE_LANES != 0 || D > 256 || H > 64) {                                                         \
         SCALAR(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, rows, out, n, H, KVH, D, BS, scale,   \
                window, q_stride);                                                                             \
         return;                                                                                               \
@@ -438,10 +574,10 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             if (FAST(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale, q_stride, ND, s)) \
                 continue;                                                                                     \
             switch (ND) {                                                                                     \
-                case 4: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,       \
-                             q_stride, 4, s, qf, acc, ktile); break;                                          \
-                case 8: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,       \
-                             q_stride, 8, s, qf, acc, ktile); break;                                          \
+                case DECODE_ND_A: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS,    \
+                                       scale, q_stride, DECODE_ND_A, s, qf, acc, ktile); break;               \
+                case DECODE_ND_B: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS,    \
+                                       scale, q_stride, DECODE_ND_B, s, qf, acc, ktile); break;               \
                 default: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,      \
                               q_stride, ND, s, qf, acc, ktile);                                               \
             }                                                                                                 \
@@ -451,8 +587,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     }                                                                                                         \
 }
 
-DEFINE_DECODE_AVX512(paged_decode_bf16, uint16_t, task_bf16, paged_decode_bf16_scalar, TRY_FAST_bf16)
-DEFINE_DECODE_AVX512(paged_decode_f32, float, task_f32, paged_decode_f32_scalar, TRY_FAST_f32)
+DEFINE_DECODE_SIMD(paged_decode_bf16, uint16_t, task_bf16, paged_decode_bf16_scalar, TRY_FAST_bf16)
+DEFINE_DECODE_SIMD(paged_decode_f32, float, task_f32, paged_decode_f32_scalar, TRY_FAST_f32)
 #else
 DEFINE_DECODE_SCALAR(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_DECODE_SCALAR(paged_decode_f32, float, f32_id, f32_id)
