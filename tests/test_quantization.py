@@ -190,6 +190,36 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
     assert len(calls) == 6
 
 
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_int4_gemv_rows_equal_each_row_alone(group):
+    """The integer-dot kernel gives each row the bits it gets alone, at every row count (AVX2: one row per pass,
+    or 2+ rows sharing each group's widened codes, 16 rows at a time; VNNI: rows in pairs), in both output dtypes,
+    on rows from 2^-40 to 2^40 (the quantization is per row and group; a row mixed up with another, a group's
+    scale applied to the wrong row or a stale buffer would change bits)."""
+    from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
+
+    if not cpu_kernels.int4_gemv_supported():
+        pytest.skip("no integer-dot kernel at this level")
+    torch.manual_seed(group)
+    n, k = 200, 1024
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(n, k), group), torch.bfloat16)
+    args = (pk["packed"], pk["scales_and_zeros"], int(pk["kernel_group"]), n)
+    m = 37  # two full chunks of 16 and a tail
+    x = torch.randn(m, k) * torch.pow(2.0, torch.randint(-40, 40, (m, 1)).float())
+    x[5] *= torch.logspace(-6, 6, k)
+    x[9] = 0
+    x = x.bfloat16()
+    for dtype in (torch.bfloat16, torch.float32):
+        together = cpu_kernels.int4_gemv_bf16(x, *args, dtype)
+        for rows in (range(m), [range(0, 2), range(3, 20), range(20, 37)]):
+            for r in rows:
+                r = [r] if isinstance(r, int) else list(r)
+                alone = cpu_kernels.int4_gemv_bf16(x[r].contiguous(), *args, dtype)
+                assert torch.equal(together[r], alone), (dtype, r)
+    assert (together[9] == 0).all() and together.isfinite().all()
+
+
 def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
     """Batch invariant: in a step marked by ``step_rows``, decode rows run on the integer-dot kernel and prefill rows
     on the C tile kernel, so each row's bits are those it gets alone (a 1-token decode step, or its prompt alone)."""

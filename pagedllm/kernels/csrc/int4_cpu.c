@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "pagedllm_kernels.h"
+#include "simd.h"
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -365,62 +366,115 @@ static inline __attribute__((always_inline)) void gemv_block(
  * per row (row order 0-3 | 16-19, 4-7 | 20-23, ... per vector, put back in order once per group), and vpmaddwd
  * against the broadcast pair (xq[k], xq[k + 1]) adds both products exactly in int32. The low nibble (rows 0..31)
  * is a mask of that lane, the high one (rows 32..63) a shift. Per group sum_k q xq equals the VNNI kernel's
- * 128 sum_k q hi + sum_k q lo, as xq = 128 hi + lo. One activation row per pass (16 ymm registers). */
+ * 128 sum_k q hi + sum_k q lo, as xq = 128 hi + lo. One activation row: gemv_block (16 ymm registers); more rows:
+ * gemv_block_rows, which widens each group's codes once into an L1 buffer that all of them read. */
 #define PF_FEATURES 64 /* prefetch distance in input features (x 32 bytes), as above */
-static inline __attribute__((always_inline)) void gemv_block(
-    const int MR, const int16_t *xq, int64_t K, const float *xscale, const float *xsum, int64_t n_groups,
-    const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out, void *out,
-    const int F32) {
-    (void)MR;
+
+/* The 8 vectors of 16-bit codes of features (k, k + 1) of block pb: w[i] low nibbles, w[4 + i] high ones. */
+static inline __attribute__((always_inline)) void widen_pair(const uint8_t *pb, int64_t k, __m256i w[8]) {
     const __m256i zero = _mm256_setzero_si256(), lo4 = _mm256_set1_epi16(0x0F);
+    _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
+    const __m256i f0 = _mm256_loadu_si256((const __m256i *)(pb + k * 32));       /* feature k, rows 0..31 */
+    const __m256i f1 = _mm256_loadu_si256((const __m256i *)(pb + (k + 1) * 32)); /* feature k + 1 */
+    const __m256i ulo = _mm256_unpacklo_epi8(f0, f1), uhi = _mm256_unpackhi_epi8(f0, f1);
+    const __m256i r[4] = {_mm256_unpacklo_epi8(ulo, zero), _mm256_unpackhi_epi8(ulo, zero),
+                          _mm256_unpacklo_epi8(uhi, zero), _mm256_unpackhi_epi8(uhi, zero)};
+    for (int i = 0; i < 4; i++) {
+        w[i] = _mm256_and_si256(r[i], lo4);
+        w[4 + i] = _mm256_srli_epi16(r[i], 4);
+    }
+}
+
+/* y[0..63] += group g's float32 epilogue of one row: its int32 sums acc (lane order of widen_pair), the group's
+ * (s, z) pairs szg, the row's scale xscale and xscale * sum(xq) xsum. The one place these float operations are
+ * written, so every path gives the same bits. */
+static inline __attribute__((always_inline)) void group_epilogue(const __m256i acc[8], const uint16_t *szg,
+                                                                 float xscale, float xsum, float *y) {
     const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
-    float y[64] __attribute__((aligned(32))) = {0};
-    const uint8_t *pb = packed + b * K * 32;
-    for (int64_t g = 0; g < n_groups; g++) {
-        __m256i acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = zero;
-        if (g + 1 < n_groups)
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
-        for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
-            _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
-            const __m256i f0 = _mm256_loadu_si256((const __m256i *)(pb + k * 32));       /* feature k, rows 0..31 */
-            const __m256i f1 = _mm256_loadu_si256((const __m256i *)(pb + (k + 1) * 32)); /* feature k + 1 */
-            const __m256i ulo = _mm256_unpacklo_epi8(f0, f1), uhi = _mm256_unpackhi_epi8(f0, f1);
-            const __m256i r[4] = {_mm256_unpacklo_epi8(ulo, zero), _mm256_unpackhi_epi8(ulo, zero),
-                                  _mm256_unpacklo_epi8(uhi, zero), _mm256_unpackhi_epi8(uhi, zero)};
-            int32_t xp;
-            memcpy(&xp, xq + k, 4);
-            const __m256i xv = _mm256_set1_epi32(xp);
-            for (int i = 0; i < 4; i++) {
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_and_si256(r[i], lo4), xv));
-                acc[4 + i] = _mm256_add_epi32(acc[4 + i], _mm256_madd_epi16(_mm256_srli_epi16(r[i], 4), xv));
-            }
-        }
-        const uint16_t *szg = sz + (g * N_pad + 64 * b) * 2; /* 64 (s, z) bf16 pairs: dword = s | z << 16 */
-        for (int h = 0; h < 2; h++) {
-            const __m256i *a = acc + 4 * h;
-            const __m256i d[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x20),
-                                  _mm256_permute2x128_si256(a[0], a[1], 0x31), _mm256_permute2x128_si256(a[2], a[3], 0x31)};
-            for (int i = 0; i < 4; i++) { /* rows 32 h + 8 i .. + 7 */
-                const int o = 32 * h + 8 * i;
-                const __m256i p = _mm256_loadu_si256((const __m256i *)(szg + 2 * o));
-                const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
-                const __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s,
-                                                   _mm256_castsi256_ps(_mm256_and_si256(p, hi_mask)));
-                const __m256 dot = _mm256_cvtepi32_ps(d[i]);
-                __m256 v = _mm256_fmadd_ps(zc, _mm256_set1_ps(xsum[g]), _mm256_load_ps(y + o));
-                v = _mm256_fmadd_ps(s, _mm256_mul_ps(dot, _mm256_set1_ps(xscale[g])), v);
-                _mm256_store_ps(y + o, v);
-            }
+    for (int h = 0; h < 2; h++) {
+        const __m256i *a = acc + 4 * h;
+        const __m256i d[4] = {_mm256_permute2x128_si256(a[0], a[1], 0x20), _mm256_permute2x128_si256(a[2], a[3], 0x20),
+                              _mm256_permute2x128_si256(a[0], a[1], 0x31), _mm256_permute2x128_si256(a[2], a[3], 0x31)};
+        for (int i = 0; i < 4; i++) { /* rows 32 h + 8 i .. + 7 */
+            const int o = 32 * h + 8 * i;
+            const __m256i p = _mm256_loadu_si256((const __m256i *)(szg + 2 * o));
+            const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+            const __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s,
+                                               _mm256_castsi256_ps(_mm256_and_si256(p, hi_mask)));
+            const __m256 dot = _mm256_cvtepi32_ps(d[i]);
+            __m256 v = _mm256_fmadd_ps(zc, _mm256_set1_ps(xsum), _mm256_load_ps(y + o));
+            v = _mm256_fmadd_ps(s, _mm256_mul_ps(dot, _mm256_set1_ps(xscale)), v);
+            _mm256_store_ps(y + o, v);
         }
     }
-    const int64_t n0 = 64 * b, cnt = n_out - n0 < 64 ? n_out - n0 : 64;
+}
+
+/* Row y's 64 sums into out (the block's outputs n0..; float32, or bf16 rounded to nearest even as vcvtneps2bf16). */
+static inline void store_block_row(const float *y, int64_t n0, int64_t n_out, void *out, const int F32) {
+    const int64_t cnt = n_out - n0 < 64 ? n_out - n0 : 64;
     if (F32) { /* the same float32 sums, unrounded (logits) */
         memcpy((float *)out + n0, y, sizeof(float) * (size_t)cnt);
         return;
     }
     uint16_t *o = (uint16_t *)out + n0;
-    for (int64_t j = 0; j < cnt; j++) o[j] = f32_to_bf16(y[j]); /* round to nearest even, as vcvtneps2bf16 */
+    for (int64_t j = 0; j < cnt; j++) o[j] = f32_to_bf16(y[j]);
+}
+
+static inline __attribute__((always_inline)) void gemv_block(
+    const int MR, const int16_t *xq, int64_t K, const float *xscale, const float *xsum, int64_t n_groups,
+    const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out, void *out,
+    const int F32) {
+    (void)MR;
+    float y[64] __attribute__((aligned(32))) = {0};
+    const uint8_t *pb = packed + b * K * 32;
+    for (int64_t g = 0; g < n_groups; g++) {
+        __m256i acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
+        if (g + 1 < n_groups)
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
+        for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+            __m256i w[8];
+            widen_pair(pb, k, w);
+            int32_t xp;
+            memcpy(&xp, xq + k, 4);
+            const __m256i xv = _mm256_set1_epi32(xp);
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w[i], xv));
+        }
+        group_epilogue(acc, sz + (g * N_pad + 64 * b) * 2, xscale[g], xsum[g], y);
+    }
+    store_block_row(y, 64 * b, n_out, out, F32);
+}
+
+/* Rows sharing one widening of each group's codes (decode batches): widening is ~half of gemv_block's vector
+ * operations, and rows of a batch need the same 16-bit codes. The buffer holds one group (G / 2 feature pairs x 8
+ * vectors: 4 KB at G = 32, 32 KB at the largest G, 256); y one 64-float row per activation row. M <= GEMV_AVX2_ROWS. */
+#define GEMV_AVX2_ROWS 16
+static void gemv_block_rows(int64_t M, const int16_t *xq, int64_t K, const float *xscale, const float *xsum,
+                            int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad,
+                            int64_t b, int64_t n_out, void *out, const int F32) {
+    __m256i wbuf[256 / 2 * 8];
+    float y[GEMV_AVX2_ROWS][64] __attribute__((aligned(32)));
+    const uint8_t *pb = packed + b * K * 32;
+    memset(y, 0, sizeof(float) * 64 * (size_t)M);
+    for (int64_t g = 0; g < n_groups; g++) {
+        for (int64_t k = g * G; k < (g + 1) * G; k += 2) widen_pair(pb, k, wbuf + (k - g * G) / 2 * 8);
+        const uint16_t *szg = sz + (g * N_pad + 64 * b) * 2;
+        for (int64_t r = 0; r < M; r++) {
+            const int16_t *xr = xq + r * K + g * G;
+            __m256i acc[8];
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
+            for (int64_t p = 0; p < G / 2; p++) {
+                int32_t xp;
+                memcpy(&xp, xr + 2 * p, 4);
+                const __m256i xv = _mm256_set1_epi32(xp);
+                const __m256i *w = wbuf + p * 8;
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w[i], xv));
+            }
+            group_epilogue(acc, szg, xscale[r * n_groups + g], xsum[r * n_groups + g], y[r]);
+        }
+    }
+    const int64_t esz = F32 ? 4 : 2;
+    for (int64_t r = 0; r < M; r++) store_block_row(y[r], 64 * b, n_out, (char *)out + r * n_out * esz, F32);
 }
 #endif /* GEMV_AVX2 */
 
@@ -437,24 +491,56 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < n_groups; g++) {
             const uint16_t *xg = x + m * K + g * G;
+            /* 8 lanes at a time (G % 32 == 0): the scalar definition's operations exactly (max of |x|, one float32
+             * multiply, round to nearest even as lrintf, an exact int32 sum), so both builds' codes are equal */
+            __m256 vmax = _mm256_setzero_ps();
+            for (int64_t k = 0; k < G; k += 8)
+                vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8_bf16(xg + k), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
+            float lanes[8];
+            _mm256_storeu_ps(lanes, vmax);
             float amax = 0.0f;
-            for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(bf16_to_f32(xg[k])));
-            const float scale = amax / 16383.0f, inv = amax > 0.0f ? 16383.0f / amax : 0.0f;
-            int32_t sum = 0;
-            for (int64_t k = 0; k < G; k++) {
-                const int32_t q = (int32_t)lrintf(bf16_to_f32(xg[k]) * inv); /* |q| <= 16383 */
+            for (int l = 0; l < 8; l++) amax = amax > lanes[l] ? amax : lanes[l];
+            /* a group below 2^-100 counts as zero: 16383 / amax would overflow to inf from ~2^-113 (NaN codes) */
+            const float scale = amax / 16383.0f, inv = amax >= 0x1p-100f ? 16383.0f / amax : 0.0f;
+            __m256i vsum = _mm256_setzero_si256();
+            for (int64_t k = 0; k < G; k += 8) {
+                const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xg + k), _mm256_set1_ps(inv))); /* |q| <= 16383 */
+                vsum = _mm256_add_epi32(vsum, q);
+                const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
 #ifdef GEMV_VNNI
-                xq[m * K + g * G + k] = (int8_t)(q >> 7); /* floor(q / 128) */
-                xq[M * K + m * K + g * G + k] = (int8_t)(q & 127);
+                const __m128i hi = _mm_srai_epi16(q16, 7), lo = _mm_and_si128(q16, _mm_set1_epi16(127)); /* floor(q / 128), q mod 128 */
+                _mm_storel_epi64((__m128i *)(xq + m * K + g * G + k), _mm_packs_epi16(hi, hi));
+                _mm_storel_epi64((__m128i *)(xq + M * K + m * K + g * G + k), _mm_packs_epi16(lo, lo));
 #else
-                ((int16_t *)xq)[m * K + g * G + k] = (int16_t)q;
+                _mm_storeu_si128((__m128i *)((int16_t *)xq + m * K + g * G + k), q16);
 #endif
-                sum += q;
             }
+            int32_t sums[8], sum = 0;
+            _mm256_storeu_si256((__m256i *)sums, vsum);
+            for (int l = 0; l < 8; l++) sum += sums[l];
             xs[m * n_groups + g] = scale;
             xs[M * n_groups + m * n_groups + g] = scale * (float)sum;
         }
     const int64_t nb = N_pad / 64;
+#ifdef GEMV_AVX2
+    if (M >= 2) { /* work units: (block, chunk of <= GEMV_AVX2_ROWS rows), chunks of equal size */
+        const int64_t nc = (M + GEMV_AVX2_ROWS - 1) / GEMV_AVX2_ROWS, rows = (M + nc - 1) / nc;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < nb * nc; t++) {
+            const int64_t m0 = (t % nc) * rows, mr = M - m0 < rows ? M - m0 : rows;
+            const int16_t *xr = (const int16_t *)xq + m0 * K;
+            const float *sc = xs + m0 * n_groups, *sm = xs + M * n_groups + m0 * n_groups;
+            char *o = (char *)out + m0 * n_out * esz;
+            if (F32)
+                gemv_block_rows(mr, xr, K, sc, sm, n_groups, packed, sz, G, N_pad, t / nc, n_out, o, 1);
+            else
+                gemv_block_rows(mr, xr, K, sc, sm, n_groups, packed, sz, G, N_pad, t / nc, n_out, o, 0);
+        }
+        free(xq);
+        free(xs);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (nb > 1)
     for (int64_t b = 0; b < nb; b++) {
         for (int64_t m0 = 0; m0 < M; m0 += GEMV_MR) {
