@@ -498,3 +498,15 @@ def test_compare_quantized_rows():
     assert rows[f"{q}: TTFT ms, 1,024 tokens (median)"].ours == 1000.0
     assert C.ratio(rows[f"{q}: TTFT ms, 1,024 tokens (median)"], "llamacpp") is None  # llama.cpp's run missing
     assert C.ratio(rows[f"{q}: chat, 8 clients, output tok/s"], "llamacpp") == pytest.approx(2.0)
+
+
+def test_llama_server_repacks_weights_except_on_amx_cpus():
+    """llama.cpp's weight repacking is its default and fastest CPU configuration; it is turned off only where its
+    AMX buffer types would run (they crash with SIGILL on these VMs), so a CPU without AMX meets llama.cpp at its best."""
+    from pagedllm.benchmarks import peers as P
+
+    assert P.llama_repack_args(frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"})) == ["--no-repack"]
+    assert P.llama_repack_args(frozenset({"avx2", "avx512f", "avx512_bf16"})) == []
+    assert P.llama_repack_args(frozenset({"avx2"})) == []
+    cmd = P.llama_server_cmd(8000, "/m.gguf")
+    assert ("--no-repack" in cmd) == ("amx_tile" in P.cpu_flags())

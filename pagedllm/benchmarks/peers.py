@@ -4,8 +4,8 @@
   bundled GGUF exported to an HF folder in bf16 by ``pagedllm.benchmarks.export_hf``); 2 OpenMP threads bound to
   cores 0-1, tcmalloc + Intel OpenMP preloaded (its fastest configuration here, ../shared/PEERS.md).
 * llama.cpp: ``.peers/llama.cpp/build/bin/llama-server`` built from the source vendored in the
-  ``llama-cpp-python==0.3.36`` sdist, on the original Q4_1 GGUF, 2 threads, weight repacking (the AMX extra buffer
-  types, which crash with SIGILL on these VMs) off.
+  ``llama-cpp-python==0.3.36`` sdist, on the original Q4_1 GGUF, 2 threads; weight repacking (the AMX extra buffer
+  types, which crash with SIGILL on these VMs) off on a CPU with AMX, on (its default) elsewhere.
 * HF Transformers: the project's own venv.
 
 ``$PAGEDLLM_PEERS_DIR`` overrides the folder.
@@ -208,9 +208,16 @@ def vllm_server_cmd(port: int, folder: str) -> list[str]:
 def llama_server_cmd(port: int, gguf: str, parallel: int = 16, ctx_per_slot: int = 2048) -> list[str]:
     return [llama_server_bin() or "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
             "-t", "2", "-tb", "2", "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-cb",
-            "--no-repack",  # no extra (AMX) buffer types: they crash with SIGILL on these VMs
+            *llama_repack_args(),
             "--jinja",  # the GGUF's own chat template, as ours and vLLM use
             "--no-webui", "-a", "smollm2"]
+
+
+def llama_repack_args(flags: Optional[frozenset] = None) -> list[str]:
+    """``--no-repack`` on a CPU with AMX (llama.cpp's AMX extra buffer types crash with SIGILL on these VMs);
+    elsewhere nothing: its CPU weight repacking (interleaved Q4_0 / Q4_K / IQ4_NL rows for AVX2 / AVX-512) is its
+    default and its fastest configuration there."""
+    return ["--no-repack"] if "amx_tile" in (cpu_flags() if flags is None else flags) else []
 
 
 def _run(cmd: list[str], env: Optional[dict] = None, timeout: float = 60) -> str:
