@@ -342,8 +342,11 @@ class EngineConfig:
 def resolve_dtype(dtype: str, hf_config: Any = None, cpu_isa: Optional[str] = None):
     """Maps ``auto``/``bfloat16``/``bf16``/``float16``/``float32``/``fp32`` to a torch dtype.
 
-    ``auto`` is bfloat16 on CUDA and at the CPU ISA levels with native bf16 (``amx``, ``avx512_bf16``; ``cpu_isa``,
-    default the detected level), float32 otherwise.
+    ``auto`` is bfloat16 on CUDA and at every CPU ISA level with our bf16 kernels (``amx``, ``avx512_bf16``, ``avx2``;
+    ``cpu_isa``, default the detected level), float32 at level ``none`` (torch alone, whose bf16 matmuls are emulated
+    where oneDNN has no native bf16). At ``avx2`` bf16 runs on our AVX2 kernels (dpbf16 linear, int4 integer-dot
+    GEMV, decode attention): on an EPYC Zen 3, SmolLM2 decode at batch 1 takes ~3x less time than in float32, whose
+    linears are MKL's float32 GEMV over twice the bytes.
 
     Raises:
         ValueError: naming ``dtype`` for an unknown value.
@@ -366,7 +369,7 @@ def resolve_dtype(dtype: str, hf_config: Any = None, cpu_isa: Optional[str] = No
             return torch.bfloat16
         from pagedllm.kernels.config import check_level
 
-        return torch.bfloat16 if check_level(cpu_isa) in ("amx", "avx512_bf16") else torch.float32
+        return torch.bfloat16 if check_level(cpu_isa) in ("amx", "avx512_bf16", "avx2") else torch.float32
     if d not in table:
         raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32; got {dtype!r}.")
     return table[d]

@@ -56,6 +56,8 @@ def test_engine_config_carries_the_forced_level(monkeypatch):
     cfg = EngineArgs(cpu_isa="none", dtype="auto").create_engine_config()
     assert cfg.kernel.level == "none" and not cfg.kernel.native and not cfg.kernel.fused_stack
     assert cfg.model.dtype == torch.float32  # auto: no native bf16 at level none
+    for level in set(supported_levels()) - {"none"}:  # auto: bf16 wherever our bf16 kernels run (avx2 and up)
+        assert EngineArgs(cpu_isa=level, dtype="auto").create_engine_config().model.dtype == torch.bfloat16, level
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "none")
     assert EngineArgs().create_engine_config().kernel.level == "none"
 
