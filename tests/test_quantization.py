@@ -192,7 +192,7 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 def test_int4_gemv_rows_equal_each_row_alone(group):
-    """The integer-dot kernel gives each row the bits it gets alone, at every row count (AVX2: one row per pass,
+    """The integer-dot kernel (and the prefill rows' tile kernel) gives each row the bits it gets alone, at every row count (AVX2: one row per pass,
     or 2+ rows sharing each group's widened codes, 16 rows at a time; VNNI: rows in pairs), in both output dtypes,
     on rows from 2^-40 to 2^40 (the quantization is per row and group; a row mixed up with another, a group's
     scale applied to the wrong row or a stale buffer would change bits)."""
@@ -218,6 +218,9 @@ def test_int4_gemv_rows_equal_each_row_alone(group):
                 alone = cpu_kernels.int4_gemv_bf16(x[r].contiguous(), *args, dtype)
                 assert torch.equal(together[r], alone), (dtype, r)
     assert (together[9] == 0).all() and together.isfinite().all()
+    together = cpu_kernels.int4_gemm(x, *args)  # the prefill rows' tile kernel: row pairs and a last single row
+    for r in range(m):
+        assert torch.equal(together[r], cpu_kernels.int4_gemm(x[r:r + 1].contiguous(), *args)[0]), r
 
 
 def test_int4_rows_take_their_kernel_by_kind_not_by_batch():

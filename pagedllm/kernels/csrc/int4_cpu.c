@@ -50,9 +50,19 @@ static inline void expand_tile(const uint8_t *packed, const void *sz, int is_bf1
     }
     for (int kk = 0; kk < 32; kk++) {
         const uint8_t *p = packed + (b * K + k0 + kk) * 32;
-        for (int j = 0; j < 32; j++) {
-            tile[kk][j] = (float)(p[j] & 15) * s[j] + z[j];
-            tile[kk][j + 32] = (float)(p[j] >> 4) * s[j + 32] + z[j + 32];
+        int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j < 32; j += 8) { /* the same float operation (one FMA: exact product, one rounding) per weight */
+            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + j)));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15)));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+            _mm256_store_ps(tile[kk] + j, _mm256_fmadd_ps(lo, _mm256_loadu_ps(s + j), _mm256_loadu_ps(z + j)));
+            _mm256_store_ps(tile[kk] + j + 32, _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + j + 32), _mm256_loadu_ps(z + j + 32)));
+        }
+#endif
+        for (; j < 32; j++) {
+            tile[kk][j] = fmaf((float)(p[j] & 15), s[j], z[j]);
+            tile[kk][j + 32] = fmaf((float)(p[j] >> 4), s[j + 32], z[j + 32]);
         }
     }
 }
@@ -94,6 +104,38 @@ static inline void tile_fma(const float tile[32][64], const float *xf, int64_t l
         _mm512_storeu_ps(acc + m * 64 + 32, a2);
         _mm512_storeu_ps(acc + m * 64 + 48, a3);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* 2 rows x 32 outputs per pass (8 accumulators, 4 tile vectors, a broadcast: 13 of the 16 ymm registers), each
+     * output's FMAs in kk order as in the one-row pass below, so a row's bits don't depend on M */
+    for (; m + 2 <= M; m += 2)
+        for (int h = 0; h < 64; h += 32) {
+            __m256 a[2][4];
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < 4; i++) a[r][i] = _mm256_loadu_ps(acc + (m + r) * 64 + h + 8 * i);
+            for (int kk = 0; kk < 32; kk++) {
+                const __m256 w0 = _mm256_load_ps(tile[kk] + h), w1 = _mm256_load_ps(tile[kk] + h + 8);
+                const __m256 w2 = _mm256_load_ps(tile[kk] + h + 16), w3 = _mm256_load_ps(tile[kk] + h + 24);
+                for (int r = 0; r < 2; r++) {
+                    const __m256 xv = _mm256_broadcast_ss(xf + (m + r) * ldx + kk);
+                    a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+                    a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
+                    a[r][3] = _mm256_fmadd_ps(xv, w3, a[r][3]);
+                }
+            }
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + (m + r) * 64 + h + 8 * i, a[r][i]);
+        }
+    for (; m < M; m++)
+        for (int h = 0; h < 64; h += 32) {
+            __m256 a[4];
+            for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_ps(acc + m * 64 + h + 8 * i);
+            for (int kk = 0; kk < 32; kk++) {
+                const __m256 xv = _mm256_broadcast_ss(xf + m * ldx + kk);
+                for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(xv, _mm256_load_ps(tile[kk] + h + 8 * i), a[i]);
+            }
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + m * 64 + h + 8 * i, a[i]);
+        }
 #endif
     for (; m < M; m++)
         for (int kk = 0; kk < 32; kk++) {
@@ -105,29 +147,38 @@ static inline void tile_fma(const float tile[32][64], const float *xf, int64_t l
 /* out[M][n_out] = x[M][K] @ w.T (x, out in bf16 if is_bf16 else float32; K % 32 == 0, G % 32 == 0). */
 void int4_gemm(const void *x, int64_t M, int64_t K, const uint8_t *packed, const void *sz, int64_t G,
                int64_t N_pad, int64_t n_out, void *out, int is_bf16) {
+    /* x in float32, k-tile major: xf[k / 32][m][k % 32], so a tile's 32 inputs of consecutive rows are contiguous
+     * (rows K floats apart put 64 rows' slices in a few L1 sets when K is a multiple of 1536: half speed) */
     float *xf = (float *)malloc(sizeof(float) * M * K);
-    for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, i, is_bf16);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) xf[(k / 32) * M * 32 + m * 32 + k % 32] = load_act(x, m * K + k, is_bf16);
     const int64_t nb = N_pad / 64;
+    /* rows in chunks of GEMM_ROWS: a chunk's accumulators (16 KB) stay in L1 over the whole K (with all M rows at
+     * once, 512 rows' 128 KB went to L2 and back every 32 inputs: ~2x slower); each tile is expanded once a chunk */
+    enum { GEMM_ROWS = 64 };
 #pragma omp parallel
     {
-        float *acc = (float *)malloc(sizeof(float) * M * 64);
+        float *acc = (float *)malloc(sizeof(float) * GEMM_ROWS * 64);
         float tile[32][64] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nb; b++) {
-            memset(acc, 0, sizeof(float) * M * 64);
-            for (int64_t k0 = 0; k0 < K; k0 += 32) {
-                expand_tile(packed, sz, is_bf16, K, G, N_pad, b, k0, tile);
-                tile_fma(tile, xf + k0, K, M, acc);
-            }
             const int64_t n0 = 64 * b;
             const int64_t cnt = n_out - n0 < 64 ? n_out - n0 : 64;
-            for (int64_t m = 0; m < M; m++) {
-                if (is_bf16) {
-                    uint16_t *o = (uint16_t *)out + m * n_out + n0;
-                    for (int64_t j = 0; j < cnt; j++) o[j] = f32_to_bf16(acc[m * 64 + j]);
-                } else {
-                    float *o = (float *)out + m * n_out + n0;
-                    for (int64_t j = 0; j < cnt; j++) o[j] = acc[m * 64 + j];
+            for (int64_t m0 = 0; m0 < M; m0 += GEMM_ROWS) {
+                const int64_t mr = M - m0 < GEMM_ROWS ? M - m0 : GEMM_ROWS;
+                memset(acc, 0, sizeof(float) * mr * 64);
+                for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                    expand_tile(packed, sz, is_bf16, K, G, N_pad, b, k0, tile);
+                    tile_fma(tile, xf + (k0 / 32) * M * 32 + m0 * 32, 32, mr, acc);
+                }
+                for (int64_t m = 0; m < mr; m++) {
+                    if (is_bf16) {
+                        uint16_t *o = (uint16_t *)out + (m0 + m) * n_out + n0;
+                        for (int64_t j = 0; j < cnt; j++) o[j] = f32_to_bf16(acc[m * 64 + j]);
+                    } else {
+                        float *o = (float *)out + (m0 + m) * n_out + n0;
+                        for (int64_t j = 0; j < cnt; j++) o[j] = acc[m * 64 + j];
+                    }
                 }
             }
         }
