@@ -191,6 +191,34 @@ def test_every_isa_gives_the_same_bits(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_largest_codes_and_activations_stay_exact(tmp_path, qtype):
+    """The integer sums' worst case: every code at its largest (all code bits set; Q8_0 at -128 and 127), and
+    activation blocks whose 15-bit codes are all at +-16256 (hi = +-127) or at 16255 (hi 126, lo 127). The AVX2
+    build adds several vpmaddubsw pair sums in int16 before widening them: an overflow there (or a saturation)
+    shows as a difference from the scalar build's plain int32 sums."""
+    k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 128
+    raw = np.full((16, k // GGML_QUANT_SIZES[qtype][0], GGML_QUANT_SIZES[qtype][1]), 0xFF, dtype=np.uint8)
+    if qtype == T.Q8_0:
+        raw[:8, :, 2:] = 0x80  # -128 on half the rows, -1 (0xFF) on the others
+        raw[8:12, :, 2:] = 0x7F
+    for off in _F16_FIELDS[qtype]:
+        raw[:, :, off:off + 2] = np.array([1e-3], dtype=np.float16).view(np.uint8)
+    w = KQuantWeight(qtype, k, torch.from_numpy(raw.reshape(16, -1)))
+    blocks = k // 32
+    top = torch.ones(blocks, 32)
+    near = torch.full((blocks, 32), 16255.5 / 16256)  # rounds to xq 16255 = 128 * 126 + 127
+    near[:, 0] = 1.0
+    x = torch.stack([top, -top, near, -near]).reshape(4, k).float()
+    libs = {"scalar": _build_for(tmp_path, "x86-64"), "plain_avx2": _build_for(tmp_path, "x86-64-v3")}
+    ys = {name: kquant_linear(x, [w], torch.float32, lib=lib) for name, lib in libs.items()}
+    assert torch.equal(ys["plain_avx2"], ys["scalar"]), qtype.name
+    # and the scalar sums are right: against float64 on the same quantized activations
+    xq = quantize_activations(x, libs["scalar"]).dequantize().double()
+    ref = xq @ w.dequantize().double().T
+    assert torch.allclose(ys["scalar"].double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_rows_equal_gguf(qtype):
     k = 512
     raw = _blocks(qtype, 40, k, seed=3)

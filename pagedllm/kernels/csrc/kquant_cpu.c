@@ -478,6 +478,30 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
                 const int64_t m = m0 + r;
                 const int8_t *xh = a->xhi + m * K + 32 * gi, *xl = a->xlo + m * K + 32 * gi;
                 VI h0 = VZERO, h1 = VZERO, w0 = VZERO, w1 = VZERO;
+#if KQ_ISA == 1
+                if (T != KQ_Q8_0) {
+                    /* vpmaddubsw's int16 pair sums of `run` chunks added in int16, then one vpmaddwd widens them (was
+                     * a vpmaddwd + add per chunk): exact, as |pair| <= 2 * 127 * (largest code) and run pairs stay
+                     * below 2^15: 4 x 7874 for the 5-bit codes (4-bit: 4 x 3810), 2 x 16002 for Q6_K's 6-bit ones */
+                    const int run = T == KQ_Q6_K ? 2 : 4;
+                    const VI ones = _mm256_set1_epi16(1);
+                    VI ph = VZERO, pl = VZERO;
+                    for (int c = 0; c < 8; c++) {
+                        ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(cv[c], VSET32(kq_ld32(xh + 4 * c))));
+                        pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(cv[c], VSET32(kq_ld32(xl + 4 * c))));
+                        if ((c + 1) % run == 0) {
+                            if (c < 4) {
+                                h0 = VADD32(h0, _mm256_madd_epi16(ph, ones));
+                                w0 = VADD32(w0, _mm256_madd_epi16(pl, ones));
+                            } else {
+                                h1 = VADD32(h1, _mm256_madd_epi16(ph, ones));
+                                w1 = VADD32(w1, _mm256_madd_epi16(pl, ones));
+                            }
+                            ph = pl = VZERO;
+                        }
+                    }
+                } else
+#endif
                 for (int c = 0; c < 8; c++) {
                     VI sh = VSET32(kq_ld32(xh + 4 * c)), sl = VSET32(kq_ld32(xl + 4 * c)), u = cv[c];
 #if KQ_ISA == 1
