@@ -194,8 +194,8 @@ def test_every_isa_gives_the_same_bits(tmp_path):
 def test_largest_codes_and_activations_stay_exact(tmp_path, qtype):
     """The integer sums' worst case: every code at its largest (all code bits set; Q8_0 at -128 and 127), and
     activation blocks whose 15-bit codes are all at +-16256 (hi = +-127) or at 16255 (hi 126, lo 127). The AVX2
-    build adds several vpmaddubsw pair sums in int16 before widening them: an overflow there (or a saturation)
-    shows as a difference from the scalar build's plain int32 sums."""
+    build widens the codes to int16 (Q8_0's by sign extension) and multiplies them by xq in int16 pairs: a wrong
+    extension, an overflow or a saturation shows as a difference from the scalar build's plain int32 sums."""
     k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 128
     raw = np.full((16, k // GGML_QUANT_SIZES[qtype][0], GGML_QUANT_SIZES[qtype][1]), 0xFF, dtype=np.uint8)
     if qtype == T.Q8_0:

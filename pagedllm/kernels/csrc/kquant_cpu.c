@@ -10,7 +10,8 @@
  * Tiled layout (kq_pack, once at load): 16 output rows per tile, tiles one after the other, each tile's
  * (super-)blocks in K order. Within a tile's block, the codes of a group of 32 inputs are "chunk vectors" of 64 bytes:
  * byte 4 r + e of chunk c is row r's code of input 4 c + e (r < 16, e < 4), i.e. one 32-bit lane per row holding
- * 4 consecutive inputs: the layout of vpdpbusd / vpmaddubsw against one broadcast 32-bit word of activations.
+ * 4 consecutive inputs: the layout of vpdpbusd against one broadcast 32-bit word of activations (AVX2 without VNNI
+ * widens a chunk's bytes to two int16 vectors for vpmaddwd, see kq_tile_pw).
  * Per group: 4-bit codes as 4 vectors (low nibble: chunk v, high nibble: chunk v + 4), Q5's fifth bits as one
  * vector (bit c of byte 4 r + e: chunk c), Q6_K's two high bits as two vectors (chunk 4 h + c' in vector h, bits
  * 2 c', 2 c' + 1), Q8_0's int8 codes as 8 vectors. Per block: the f16 d (and dmin) of the 16 rows side by side,
@@ -21,7 +22,8 @@
  *
  * Activations (kq_quantize_act): per row and block of 32 inputs, xs = max|x| / 16256 and xq = rint(x / xs),
  * |xq| <= 16256 = 127 * 128, split xq = 128 hi + lo (hi in [-127, 127], lo in [0, 127], both int8) so each
- * u8 x s8 dot product (vpdpbusd on AVX512-VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2) is exact in int32.
+ * u8 x s8 dot product (vpdpbusd on AVX512-VNNI / AVX-VNNI) is exact in int32; AVX2 without VNNI multiplies the
+ * codes by xq itself as int16 (vpmaddwd), exact too.
  * Rounding error: |x - xs xq| <= 0.504 xs = max|x| / 32256 per element (about 2^-15 of the block's largest |x|),
  * the only approximation besides float32 arithmetic; it is far below a bf16 rounding (2^-9).
  *
@@ -36,6 +38,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -322,6 +325,7 @@ typedef struct {
     const float *xs, *xsum32;
     const int32_t *isum16;
     int64_t K;
+    const int16_t *xq16; /* AVX2 without VNNI: xq = 128 hi + lo [M][K] as int16 (kq_matmul builds it), else NULL */
 } kq_act;
 
 static inline int32_t kq_ld32(const int8_t *p) {
@@ -372,12 +376,6 @@ typedef __m256 VF;
 #define VZERO _mm256_setzero_si256()
 #if KQ_ISA == 2
 #define VDP(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
-#else
-/* u8 x s8 pairs in int16 do not saturate: |u| <= 128 and |s| <= 127 for every caller (2 * 128 * 127 < 2^15) */
-static inline __m256i kq_dp2(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-#define VDP(acc, u, s) kq_dp2((acc), (u), (s))
 #endif
 #define VADD32 _mm256_add_epi32
 #define VSUB32 _mm256_sub_epi32
@@ -430,8 +428,11 @@ static inline __attribute__((always_inline)) void kq_unpack_codes(const int T, c
     }
 }
 
+#endif
+
+#if KQ_ISA >= 2
 /* Lanes l0 .. l0 + KQ_W - 1 of tile `tile` (all its blocks along K) for activation rows m0 .. m0 + MR - 1:
- * res[r][lane] = the float32 results. */
+ * res[r][lane] = the float32 results (VNNI: vpdpbusd of the codes against xq's hi and lo bytes). */
 static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const int MR, const uint8_t *tile,
                                                               int l0, const kq_act *a, int64_t m0,
                                                               float res[4][KQ_R]) {
@@ -454,12 +455,7 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
             VI cv[8];
             if (T == KQ_Q8_0) {
                 for (int c = 0; c < 8; c++) {
-                    const VI q = VLOAD(g + 64 * c + lb);
-#if KQ_ISA >= 2
-                    cv[c] = VXOR(q, VSET8((char)0x80)); /* q + 128, unsigned */
-#else
-                    cv[c] = q; /* signed: abs / sign at the product */
-#endif
+                    cv[c] = VXOR(VLOAD(g + 64 * c + lb), VSET8((char)0x80)); /* q + 128, unsigned */
                 }
             } else {
                 kq_unpack_codes(T, g + lb, cv);
@@ -478,39 +474,8 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
                 const int64_t m = m0 + r;
                 const int8_t *xh = a->xhi + m * K + 32 * gi, *xl = a->xlo + m * K + 32 * gi;
                 VI h0 = VZERO, h1 = VZERO, w0 = VZERO, w1 = VZERO;
-#if KQ_ISA == 1
-                if (T != KQ_Q8_0) {
-                    /* vpmaddubsw's int16 pair sums of `run` chunks added in int16, then one vpmaddwd widens them (was
-                     * a vpmaddwd + add per chunk): exact, as |pair| <= 2 * 127 * (largest code) and run pairs stay
-                     * below 2^15: 4 x 7874 for the 5-bit codes (4-bit: 4 x 3810), 2 x 16002 for Q6_K's 6-bit ones */
-                    const int run = T == KQ_Q6_K ? 2 : 4;
-                    const VI ones = _mm256_set1_epi16(1);
-                    VI ph = VZERO, pl = VZERO;
-                    for (int c = 0; c < 8; c++) {
-                        ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(cv[c], VSET32(kq_ld32(xh + 4 * c))));
-                        pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(cv[c], VSET32(kq_ld32(xl + 4 * c))));
-                        if ((c + 1) % run == 0) {
-                            if (c < 4) {
-                                h0 = VADD32(h0, _mm256_madd_epi16(ph, ones));
-                                w0 = VADD32(w0, _mm256_madd_epi16(pl, ones));
-                            } else {
-                                h1 = VADD32(h1, _mm256_madd_epi16(ph, ones));
-                                w1 = VADD32(w1, _mm256_madd_epi16(pl, ones));
-                            }
-                            ph = pl = VZERO;
-                        }
-                    }
-                } else
-#endif
                 for (int c = 0; c < 8; c++) {
-                    VI sh = VSET32(kq_ld32(xh + 4 * c)), sl = VSET32(kq_ld32(xl + 4 * c)), u = cv[c];
-#if KQ_ISA == 1
-                    if (T == KQ_Q8_0) {
-                        sh = _mm256_sign_epi8(sh, cv[c]);
-                        sl = _mm256_sign_epi8(sl, cv[c]);
-                        u = _mm256_abs_epi8(cv[c]); /* -128 -> 0x80 = 128 as u8 */
-                    }
-#endif
+                    const VI sh = VSET32(kq_ld32(xh + 4 * c)), sl = VSET32(kq_ld32(xl + 4 * c)), u = cv[c];
                     if (c < 4) {
                         h0 = VDP(h0, u, sh);
                         w0 = VDP(w0, u, sl);
@@ -526,9 +491,113 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
                     acc[r] = VFMA(VCVT(VSUB32(d0, VSET32(32 * i0))), VMUL(A0, xsf), acc[r]);
                     acc[r] = VFMA(VCVT(VSUB32(d1, VSET32(32 * i1))), VMUL(A1, xsf), acc[r]);
                 } else {
-                    const int32_t off = T == KQ_Q5_0 ? 16 : (T == KQ_Q8_0 && KQ_ISA >= 2) ? 128 : 0;
+                    const int32_t off = T == KQ_Q5_0 ? 16 : T == KQ_Q8_0 ? 128 : 0;
                     VI d = VADD32(d0, d1);
                     if (off) d = VSUB32(d, VSET32(off * (i0 + i1)));
+                    acc[r] = VFMA(VCVT(d), VMUL(A0, xsf), acc[r]);
+                    if (kmin) sacc[r] = VFMA(B, VSETF(a->xsum32[m * nb32 + gi]), sacc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) VSTOREF(res[r] + l0, kmin ? VSUBF(acc[r], sacc[r]) : acc[r]);
+}
+#endif
+
+#if KQ_ISA == 1
+/* AVX2 without VNNI, every type: the same results as kq_tile_vec, from vpmaddwd of the codes widened to int16
+ * against xq as int16 (16 exact products per instruction, as many as vpmaddubsw gives once xq is split in hi / lo, but
+ * no vpmaddwd widening after it and one broadcast per chunk instead of two; it replaced that vpmaddubsw path: EPYC
+ * Zen 3, 2 threads, 1.2-1.4x at 2-128 rows, Q8_0 2.1x, and 1.0-1.4x at one row). A chunk's 32-bit lane (row r, inputs
+ * 4c .. 4c + 3) unpacks to two int16 pairs: vpunpcklbw / vpunpckhbw put rows (0, 1), (4, 5) and (2, 3), (6, 7) of the
+ * 8 lanes into 32-bit lanes (r; e0 e1), (r; e2 e3); vpmaddwd against the broadcast 64 bits (x 4c .. 4c + 3) sums each
+ * pair and vphaddd of the two accumulators gives the rows' dots back in lane order (Q8_0's signed codes are
+ * sign-extended, so its dot needs no +128 offset). |code| <= 128 and |xq| <= 16256, so
+ * a group's int32 sums are exact (< 2^27) and equal kq_tile_vec's; the float epilogue is the same code and order. */
+static inline __attribute__((always_inline)) void kq_tile_pw(const int T, const int MR, const uint8_t *tile, int l0,
+                                                             const kq_act *a, int64_t m0, float res[4][KQ_R]) {
+    const int64_t K = a->K, nb32 = K / 32;
+    const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T), no = kq_nib_off(T);
+    const int64_t tb = kq_tbytes(T);
+    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
+    const VI m4 = VSET8(0x0F), zero = VZERO;
+    VF acc[4], sacc[4];
+    for (int r = 0; r < MR; r++) acc[r] = sacc[r] = VZEROF;
+    for (int64_t sb = 0; sb < K / qk; sb++) {
+        const uint8_t *h = tile + sb * tb;
+        const VF dv = VF16(h + 2 * l0);
+        const VF dmv = kmin ? VF16(h + 32 + 2 * l0) : VZEROF;
+        for (int j = 0; j < ng; j++) {
+            const uint8_t *g = h + hb + j * gb + 4 * l0;
+            const int64_t gi = sb * ng + j;
+            if (l0 == 0)
+                for (int pl = 0; pl < gb; pl += 64)
+                    _mm_prefetch((const char *)(h + hb + j * gb + KQ_PREFETCH + pl), _MM_HINT_T0);
+            VF A0, A1 = VZEROF, B = VZEROF;
+            if (T == KQ_Q5_0 || T == KQ_Q8_0) {
+                A0 = dv;
+            } else if (kmin) {
+                A0 = VMUL(dv, VU8F(h + 64 + 16 * j + l0));
+                B = VMUL(dmv, VU8F(h + 192 + 16 * j + l0));
+            } else {
+                A0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j) + l0));
+                A1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1) + l0));
+            }
+            /* Q6_K scales each half group on its own: chunks 0..3, then 4..7; the others sum all 8 at once */
+            const int nh = T == KQ_Q6_K ? 2 : 1, cpp = 8 / nh;
+            VI dq[2][4];
+#pragma GCC unroll 2
+            for (int hh = 0; hh < nh; hh++) {
+                VI al[4], ah[4];
+                for (int r = 0; r < MR; r++) al[r] = ah[r] = zero;
+#pragma GCC unroll 8
+                for (int cc = 0; cc < cpp; cc++) {
+                    const int c = hh * cpp + cc, v = c & 3;
+                    VI cv, lo, hi;
+                    if (T == KQ_Q8_0) { /* signed codes: sign-extended to int16 */
+                        cv = VLOAD(g + 64 * c);
+                        const VI sg = _mm256_cmpgt_epi8(zero, cv);
+                        lo = _mm256_unpacklo_epi8(cv, sg);
+                        hi = _mm256_unpackhi_epi8(cv, sg);
+                    } else {
+                    const VI nib = VLOAD(g + no + 64 * v);
+                    cv = c < 4 ? VAND(nib, m4) : VAND(VSRL16(nib, 4), m4);
+                    if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                        const VI qh = VLOAD(g), b4 = VSET8(0x10);
+                        const VI bit = c < 4 ? VSLL16(qh, 4 - c) : c == 4 ? qh : VSRL16(qh, c - 4);
+                        cv = VOR(cv, VAND(bit, b4));
+                    } else if (T == KQ_Q6_K) {
+                        const VI q = VLOAD(g + 64 * (c >> 2)), b45 = VSET8(0x30);
+                        const int sh = 4 - 2 * (c & 3); /* 4, 2, 0, -2 */
+                        const VI bits = sh > 0 ? VSLL16(q, sh) : sh == 0 ? q : VSRL16(q, -sh);
+                        cv = VOR(cv, VAND(bits, b45));
+                    }
+                    lo = _mm256_unpacklo_epi8(cv, zero);
+                    hi = _mm256_unpackhi_epi8(cv, zero);
+                    }
+                    for (int r = 0; r < MR; r++) {
+                        int64_t xv;
+                        memcpy(&xv, a->xq16 + (m0 + r) * K + 32 * gi + 4 * c, 8);
+                        const VI xb = _mm256_set1_epi64x(xv);
+                        al[r] = VADD32(al[r], _mm256_madd_epi16(lo, xb));
+                        ah[r] = VADD32(ah[r], _mm256_madd_epi16(hi, xb));
+                        /* keeps each sum a register chain: else gcc reassociates the unrolled sums into a tree
+                         * of products parked on the stack (measured 1.5x slower) */
+                        __asm__("" : "+x"(al[r]), "+x"(ah[r]));
+                    }
+                }
+                for (int r = 0; r < MR; r++) dq[hh][r] = _mm256_hadd_epi32(al[r], ah[r]);
+            }
+            for (int r = 0; r < MR; r++) {
+                const int64_t m = m0 + r;
+                const int32_t i0 = a->isum16[m * 2 * nb32 + 2 * gi], i1 = a->isum16[m * 2 * nb32 + 2 * gi + 1];
+                const VF xsf = VSETF(a->xs[m * nb32 + gi]);
+                if (T == KQ_Q6_K) {
+                    acc[r] = VFMA(VCVT(VSUB32(dq[0][r], VSET32(32 * i0))), VMUL(A0, xsf), acc[r]);
+                    acc[r] = VFMA(VCVT(VSUB32(dq[1][r], VSET32(32 * i1))), VMUL(A1, xsf), acc[r]);
+                } else {
+                    VI d = dq[0][r];
+                    if (T == KQ_Q5_0) d = VSUB32(d, VSET32(16 * (i0 + i1)));
                     acc[r] = VFMA(VCVT(d), VMUL(A0, xsf), acc[r]);
                     if (kmin) sacc[r] = VFMA(B, VSETF(a->xsum32[m * nb32 + gi]), sacc[r]);
                 }
@@ -592,7 +661,9 @@ static inline __attribute__((always_inline)) void kq_tile_scalar(const int T, co
 
 static inline __attribute__((always_inline)) void kq_tile(const int T, const int MR, const uint8_t *tile,
                                                           const kq_act *a, int64_t m0, float res[4][KQ_R]) {
-#if KQ_ISA >= 1
+#if KQ_ISA == 1
+    for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) kq_tile_pw(T, MR, tile, l0, a, m0, res);
+#elif KQ_ISA >= 2
     for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) kq_tile_vec(T, MR, tile, l0, a, m0, res);
 #else
     kq_tile_scalar(T, MR, tile, a, m0, res);
@@ -630,13 +701,22 @@ static inline __attribute__((always_inline)) void kq_tiles_t(const int T, const 
 
 /* out[m][n] (at out + m * ldo + n; float32, or bf16 if out_bf16) = sum_k x[m][k] w[n][k] for the tiled weight w
  * (kq_pack) and the activations prepared by kq_quantize_act. type: ggml type id (6, 8, 12, 13, 14); K % 256 == 0
- * for the K-quants, K % 32 == 0 for the others. Returns 0, or -1 for an unsupported type. */
+ * for the K-quants, K % 32 == 0 for the others. Returns 0, -1 for an unsupported type, -2 if the AVX2 build's
+ * int16 copy of the activations (M K 2 bytes) could not be allocated. */
 int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xhi, const int8_t *xlo,
               const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
               int out_bf16) {
     if (kq_packed_bytes(type, N, K) < 0) return -1;
-    const kq_act a = {xhi, xlo, xs, xsum32, isum16, K};
+    kq_act a = {xhi, xlo, xs, xsum32, isum16, K, NULL};
     const int64_t nt = (N + KQ_R - 1) / KQ_R;
+    int16_t *xq16 = NULL;
+#if KQ_ISA == 1
+    xq16 = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+    if (!xq16) return -2;
+#pragma omp parallel for schedule(static) if (M * K >= 1 << 16)
+    for (int64_t i = 0; i < M * K; i++) xq16[i] = (int16_t)(128 * xhi[i] + xlo[i]);
+    a.xq16 = xq16;
+#endif
     /* the type switch sits inside the parallel loop, so the outlined OpenMP body is specialized per type */
 #pragma omp parallel for schedule(static) if (N * M * K >= 1 << 18)
     for (int64_t t = 0; t < nt; t++) {
@@ -648,6 +728,7 @@ int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xh
             default: kq_tiles_t(KQ_Q6_K, w, t, t + 1, N, &a, M, out, ldo, out_bf16); break;
         }
     }
+    free(xq16);
     return 0;
 }
 

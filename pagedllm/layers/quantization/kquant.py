@@ -175,6 +175,8 @@ def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], o
     for w in weights:
         rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, p_hi, p_lo, p_xs, p_s32, p_i16, m,
                            out.data_ptr() + col * esize, n_total, int(out_dtype == torch.bfloat16))
+        if rc == -2:
+            raise MemoryError(f"kquant_matmul: no memory for the int16 activations ({m} x {k})")
         if rc != 0:
             raise ValueError(f"kquant_matmul: unsupported ggml type {w.ggml_type.name}")
         col += w.rows
