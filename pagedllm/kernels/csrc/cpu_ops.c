@@ -89,6 +89,39 @@ void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
         for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: silu8, the same polynomial as silu16 (the scalar expf loop took ~110 us for one 8960-wide decode row on an
+ * EPYC Zen 3, 28 of them per step of a 1.5B model; this takes ~10x less). */
+#include "simd.h"
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* g = gu + r * 2 * I;
+        const uint16_t* u = g + I;
+        uint16_t* o = out + r * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 s = round8_bf16(silu8(load8_bf16(g + i)));
+            _mm_storeu_si128((__m128i*)(o + i), store8_bf16_bits(_mm256_mul_ps(s, load8_bf16(u + i))));
+        }
+        for (; i < I; ++i) {
+            const float gv = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * bf16_to_f32(u[i]));
+        }
+    }
+}
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gu + r * 2 * I;
+        const float* u = g + I;
+        float* o = out + r * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+        for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
 #else
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, f32_id, f32_id, f32_id)

@@ -2,6 +2,7 @@
 #ifndef PAGEDLLM_SIMD_H
 #define PAGEDLLM_SIMD_H
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
@@ -41,9 +42,10 @@ static inline __m256i store16_bf16_bits(__m512 v) {
 #endif
 }
 
-/* silu(g) = g / (1 + exp(-g)) with exp16 (relative error < 2e-7, far below a bf16 ulp). */
+/* silu(g) = g / (1 + exp(-g)) with exp16 (relative error < 2e-7, far below a bf16 ulp). Past ln(FLT_MAX) = 88.72
+ * scalef makes exp(-g) inf and silu(g) -0, as torch's float32 silu (a clamp at 88 gave ~1e-37 instead). */
 static inline __m512 silu16(__m512 g) {
-    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(89.0f)));
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
@@ -88,8 +90,18 @@ static inline __m256 exp8(__m256 x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+/* silu(g) = g / (1 + exp(-g)) with exp8. exp8 builds 2^n in the exponent field, so n <= 127: for -g past 88 exp(-g)
+ * is 2 exp(-g - ln 2), and inf past ln(FLT_MAX) = 88.7228 (silu -0), as torch's float32 silu. */
 static inline __m256 silu8(__m256 g) {
-    const __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
+    const __m256 x = _mm256_sub_ps(_mm256_setzero_ps(), g);
+    __m256 e = exp8(_mm256_min_ps(x, _mm256_set1_ps(88.0f)));
+    const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
+    if (_mm256_movemask_ps(big)) {
+        const __m256 xc = _mm256_min_ps(x, _mm256_set1_ps(88.7228f));
+        __m256 e2 = _mm256_mul_ps(exp8(_mm256_sub_ps(xc, _mm256_set1_ps(0.69314718f))), _mm256_set1_ps(2.0f));
+        e2 = _mm256_blendv_ps(e2, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ));
+        e = _mm256_blendv_ps(e, e2, big);
+    }
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
