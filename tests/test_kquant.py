@@ -181,6 +181,13 @@ def test_every_isa_gives_the_same_bits(tmp_path):
     flags, levels = kernels.cpu_flags(), kernels.supported_levels()
     has_vnni = "avx_vnni" in flags or ("avx512_bf16" in levels and "avx512_vnni" in flags)
     assert len({lib.kq_isa() for lib in libs.values()}) == 2 + has_vnni
+    # the activations' quantization too (vectorized from AVX2 on), both input dtypes, blocks of 0 and of huge values
+    xa = torch.randn(3, 256) * torch.logspace(-30, 30, 256)
+    xa[1, :32] = 0.0
+    for xd in (xa, xa.bfloat16()):
+        bufs = {name: quantize_activations(xd, lib).buf for name, lib in libs.items()}
+        for name, b in bufs.items():
+            assert torch.equal(b, bufs["scalar"]), (xd.dtype, name)
     for qtype in TYPES:
         k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 128
         w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 21, k, seed=2)))
