@@ -45,7 +45,7 @@ def test_smollm2_greedy_identical_with_ngram(smollm):
         "preempt": {"num_gpu_blocks_override": layout.blocks_for_one_request(longest, 16, 64) + 4,
                     "max_model_len": longest, "max_num_batched_tokens": 64},
     }
-    chunk_moved = None
+    chunk_moved = preempt_moved = None
     for name, extra in variants.items():
         eng = smollm.with_engine_args(speculative_config=SPEC, **extra)
         got = [[c.token_ids for c in o.outputs] for o in eng.generate(prompts, params, use_tqdm=False)]
@@ -57,6 +57,12 @@ def test_smollm2_greedy_identical_with_ngram(smollm):
             # verify rows change every step's row count; or SDPA prefill rows whose chunk boundaries verify rows
             # move. Marked, not hidden: the other variants still assert; checked after them.
             chunk_moved = [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
+        elif name == "preempt" and got != ref and _outputs_moved_by(smollm, extra, prompts, params, ref):
+            # Preemption recomputes a request's decoded tokens as prefill rows, whose kernels (int4 tile GEMM,
+            # prefill attention) sum in another order than the decode steps' did: at a float32 near-tie the
+            # output moves with or without speculation (measured on an EPYC Zen 3: the run without speculation
+            # left the reference at output token 30 of prompt 1). Speculation is then not what moved it.
+            preempt_moved = [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
         else:
             assert got == ref, f"{name}: output differs from no speculation"
         core = eng.llm_engine.engine_core
@@ -69,6 +75,17 @@ def test_smollm2_greedy_identical_with_ngram(smollm):
     if chunk_moved:
         pytest.xfail(f"open: chunked + ngram in float32 differs from no speculation (prompts {chunk_moved}); "
                      f"chunking alone doesn't")
+    if preempt_moved:
+        pytest.xfail(f"open: preemption's recompute (prefill kernels over decoded tokens) moves the output, with or "
+                     f"without speculation (prompts {preempt_moved})")
+
+
+def _outputs_moved_by(llm, extra, prompts, params, ref) -> bool:
+    """Whether the engine args ``extra`` alone, without speculation, change ``llm``'s output from ``ref``."""
+    eng = llm.with_engine_args(**extra)
+    got = [[c.token_ids for c in o.outputs] for o in eng.generate(prompts, params, use_tqdm=False)]
+    assert eng.llm_engine.engine_core.scheduler.num_preemptions > 0 or "num_gpu_blocks_override" not in extra
+    return got != ref
 
 
 @pytest.mark.slow
