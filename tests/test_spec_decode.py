@@ -151,10 +151,10 @@ class OracleDrafter:
         self.k = k
         self.rng = random.Random(seed)
 
-    def propose(self, states, sampled):
+    def propose(self, states, sampled, limits=None):
         out = []
-        for st, toks in zip(states, sampled):
-            if not toks:
+        for st, toks, lim in zip(states, sampled, limits or [self.k] * len(states)):
+            if not toks or not lim:
                 out.append([])
                 continue
             done = len(st.token_ids) - len(st.prompt_token_ids)
@@ -166,7 +166,7 @@ class OracleDrafter:
                 m = self.rng.randrange(len(true))
                 true[m] = (true[m] + 1 + self.rng.randrange(5)) % VOCAB
                 true = true[:self.rng.randint(m + 1, len(true))]
-            out.append(true)
+            out.append(true[:lim])
         return out
 
 

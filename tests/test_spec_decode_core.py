@@ -211,6 +211,23 @@ def test_adaptive_draft_length_follows_acceptance_and_probes_again():
     assert probes and all(ks[i] == 1 for i in probes)  # a probe is a single draft token
     assert 2 <= probes[0] - off[0] <= 10 and len(probes) <= (40 - off[0]) // 3  # a probe every 3-4 steps at most
 
+    # a drafter that honours the scheduler's limits (spec_draft_limits) proposes nothing while speculation is
+    # off for the request: the estimate must still relax, and the share come back as probes
+    s = make_sched(k=8, adaptive=True)
+    r = req("b", 4, max_tokens=1000)
+    prefill(s, r, spec=list(range(8)))
+    ks, limits = [], []
+    for step in range(40):
+        so = s.schedule()
+        ks.append(len(so.scheduled_spec_decode_tokens.get("b", [])))
+        lim = so.spec_draft_limits.get("b", 8)
+        limits.append(lim)
+        s.update_from_output(so, ModelRunnerOutput(["b"], [[10_000 + step]], spec_token_ids=[list(range(lim))]))
+    assert limits[0] <= 8 and min(limits) == 0, limits
+    assert all(k <= lim for k, lim in zip(ks[1:], limits[:-1])), (ks, limits)  # never more than proposed
+    off = ks.index(0)
+    assert any(k == 1 for k in ks[off:]), ks  # probes still happen
+
     # all accepted: back to the full length
     acc = 0.1
     for _ in range(20):

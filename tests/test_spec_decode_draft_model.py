@@ -159,3 +159,33 @@ def test_self_int4_greedy_identical_on_the_shared_drafter(tmp_path, extra):
     assert _outputs(eng, prompts, sp) == ref
     st = eng.llm_engine.engine_core.scheduler.spec_stats
     assert st.num_accepted_tokens > 0.25 * st.num_draft_tokens > 0, st
+
+
+def test_draft_steps_stop_at_each_requests_adaptive_share(tiny_pair):
+    """With adaptive speculation the scheduler sends each request's share of drafts (``spec_draft_limits``): the
+    small draft, rarely right, soon gets fewer than ``k``, and the drafter runs a request's draft steps only up to
+    its share. Each limited proposal is the prefix of the full one (the same forward passes, cut), and the output
+    stays the one without speculation."""
+    llm, small, _ = tiny_pair
+    prompts = _prompts()
+    sp = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+    ref = _outputs(llm, prompts, sp)
+    eng = llm.with_engine_args(speculative_config=_spec(small, k=5))
+    drafter = eng.llm_engine.engine_core.runner.drafter
+    orig = drafter.propose
+    seen = []
+
+    def checked(states, sampled, starts, query_lens, limits=None):
+        got = orig(states, sampled, starts, query_lens, limits)
+        if limits is not None:
+            full = orig(states, sampled, starts, query_lens, None)  # the same KV writes again: idempotent
+            for g, f, lim in zip(got, full, limits):
+                assert g == f[:lim], (g, f, lim)
+            seen.extend((lim, len(g)) for g, toks, lim in zip(got, sampled, limits) if toks)
+        return got
+
+    drafter.propose = checked
+    assert _outputs(eng, prompts, sp) == ref
+    assert any(lim < 5 for lim, _ in seen), "no request ever got a smaller share"
+    assert any(0 < n < 5 for _, n in seen), "no proposal was cut short"
+    assert all(n <= lim for lim, n in seen)

@@ -53,6 +53,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each decoding request's last token (they are the last
     # ``len(ids)`` of its ``num_scheduled_tokens``); requests without drafts are absent.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # How many draft tokens the drafter proposes after this step for each request listed (adaptive speculation:
+    # the share its acceptance earns); the others get ``num_speculative_tokens``.
+    spec_draft_limits: dict[str, int] = field(default_factory=dict)
     # Structured outputs: ``(bitmask int32 [R, ceil(V / 32)], {request id: row})`` of the constrained requests that
     # sample this step, set by the engine core after schedule() (see pagedllm.structured_output).
     grammar_bitmask: Optional[Any] = None

@@ -177,6 +177,7 @@ class Scheduler:
         preempted: set[str] = set()
         scheduled_running: list[Request] = []
         scheduled_spec: dict[str, list[int]] = {}
+        draft_limits: dict[str, int] = {}
         spec_cap = self.spec_cap(len(self.running))
 
         # 1. Running requests, oldest first.
@@ -187,7 +188,19 @@ class Scheduler:
             if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
-            k = self._num_spec_tokens(req, n, min(budget, n + spec_cap)) if spec_cap and req.spec_token_ids else 0
+            k_want = self.num_spec_tokens
+            if spec_cap and self.spec_adaptive and req.num_output_tokens:
+                k_want = adaptive.num_draft_tokens(self.num_spec_tokens, req.spec_acceptance)
+                if k_want == 0:
+                    req.spec_acceptance = adaptive.relax(req.spec_acceptance)
+                # drafts proposed after this step: its share from its acceptance, one more in case that rises
+                # (a drafter with a model pays a forward per draft position; absent: num_speculative_tokens)
+                k_next = adaptive.num_draft_tokens(self.num_spec_tokens, req.spec_acceptance)
+                k_next = min(self.num_spec_tokens, k_next + 1) if k_next else 0
+                if k_next < self.num_spec_tokens:
+                    draft_limits[req.request_id] = k_next
+            k = self._num_spec_tokens(req, n, min(budget, n + spec_cap), k_want) \
+                if spec_cap and req.spec_token_ids else 0
             while True:
                 new_blocks = self.kv.allocate_slots(req, n + k)
                 if new_blocks is not None:
@@ -271,6 +284,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             new_group_block_ids=self.kv.take_new_group_block_ids(),
             scheduled_spec_decode_tokens=scheduled_spec,
+            spec_draft_limits=draft_limits,
         )
         self.finished_req_ids = set()
         return out
@@ -282,19 +296,14 @@ class Scheduler:
             return 0
         return min(self.num_spec_tokens, max(0, (self.spec_step_token_budget - num_running) // num_running))
 
-    def _num_spec_tokens(self, req: Request, n: int, budget: int) -> int:
-        """Draft tokens to verify with a decode of ``req`` (0 while it prefills): its proposal, cut to the budget
-        left after its ``n`` tokens, to its adaptive share, and so that the token sampled after them still fits
-        ``max_tokens`` and ``max_model_len`` (more could never be output)."""
+    def _num_spec_tokens(self, req: Request, n: int, budget: int, k_want: int) -> int:
+        """Draft tokens to verify with a decode of ``req`` (0 while it prefills): its proposal, cut to its adaptive
+        share ``k_want``, to the budget left after its ``n`` tokens, and so that the token sampled after them still
+        fits ``max_tokens`` and ``max_model_len`` (more could never be output)."""
         if req.num_computed_tokens + n != req.num_tokens or req.num_output_tokens == 0:
             return 0
-        k = min(len(req.spec_token_ids), self.num_spec_tokens, budget - n,
+        k = min(len(req.spec_token_ids), k_want, budget - n,
                 req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-        if self.spec_adaptive and k > 0:
-            k_adaptive = adaptive.num_draft_tokens(k, req.spec_acceptance)
-            if k_adaptive == 0:
-                req.spec_acceptance = adaptive.relax(req.spec_acceptance)
-            k = k_adaptive
         return max(k, 0)
 
     def _pop_victim_not_in_flight(self) -> Request:

@@ -111,9 +111,11 @@ class DraftModelDrafter:
         self.kv_caches = [caches[s] for s in layout.layer_slot]
 
     def propose(self, states: Sequence, sampled: Sequence[Sequence[int]], starts: Sequence[int],
-                query_lens: Sequence[int]) -> list[list[int]]:
-        """Catches the draft's KV up with this step's tokens and drafts ``k`` greedy tokens for every request that
-        sampled (none for structured outputs, none at all above ``max_num_reqs`` requests).
+                query_lens: Sequence[int], limits: Optional[Sequence[int]] = None) -> list[list[int]]:
+        """Catches the draft's KV up with this step's tokens and drafts ``k`` greedy tokens (``limits[i]`` for
+        request ``i`` where given: the scheduler's adaptive share; 0 drafts none) for every request that sampled
+        (none for structured outputs, none at all above ``max_num_reqs`` requests). A request's draft steps stop at
+        its limit: drafting costs a draft forward per position, so a low-acceptance request no longer pays ``k``.
 
         ``states[i]``: a runner request state (``token_ids``: prompt + output, this step's tokens included;
         ``block_ids``); ``sampled[i]``: its tokens of this step; ``starts[i]``, ``query_lens[i]``: its first
@@ -126,8 +128,9 @@ class DraftModelDrafter:
         out: list[list[int]] = [[] for _ in states]
         n_all, bs = len(states), self.block_size
         drafting = n_all <= self.max_num_reqs
-        idx = [i for i, (st, toks) in enumerate(zip(states, sampled))
-               if drafting and toks and getattr(st.sampling_params, "structured_outputs", None) is None]
+        limits = limits or [self.k] * n_all
+        idx = [i for i, (st, toks, lim) in enumerate(zip(states, sampled, limits))
+               if drafting and toks and lim > 0 and getattr(st.sampling_params, "structured_outputs", None) is None]
         # Rows up to: a drafting request's last token (its new one, whose logits draft); another one's tokens the
         # target computed and kept (its new token has no slot yet: the next step computes it).
         ends = [s + q if not toks else len(st.token_ids) - 1 for st, toks, s, q in
@@ -160,24 +163,35 @@ class DraftModelDrafter:
         n = len(idx)
         last = torch.from_numpy(np.cumsum(q_arr)[idx] - 1)
         tokens = argmax_rows(self.draft.compute_logits(hidden.index_select(0, last)))
+        lim = np.minimum(np.asarray([limits[i] for i in idx], dtype=np.int64), self.k)
+        mats = []  # (rows of idx, [rows, steps] tokens) per run of steps with the same drafting rows
+        alive = np.arange(n)  # positions in idx still drafting
         drafts = [tokens]
-        bt_d = bt_np[idx]
-        block_tables = torch.from_numpy(bt_d)
-        pos = np.asarray([ends[i] for i in idx], dtype=np.int64)  # the first draft token's position
-        rows = np.arange(n)
-        ones = [1] * n
-        with step_rows(ones):
-            for _ in range(self.k - 1):
-                slots = torch.from_numpy(bt_d[rows, pos // bs] * bs + pos % bs)
-                meta = build_attention_metadata(ones, (pos + 1).tolist(), block_tables, slots, bs,
-                                                self.sliding_window)
-                hidden = self.draft(tokens, torch.from_numpy(pos.copy()), self.kv_caches, meta)
-                tokens = argmax_rows(self.draft.compute_logits(hidden))
-                drafts.append(tokens)
-                pos = pos + 1
-        mat = torch.stack(drafts, dim=1).tolist()  # [n, k]
-        for j, i in enumerate(idx):
-            out[i] = mat[j]
+        bt_all = bt_np[idx]
+        pos_all = np.asarray([ends[i] for i in idx], dtype=np.int64)  # the first draft token's position
+        for step in range(1, int(lim.max())):
+            keep = lim[alive] > step
+            if not keep.all():  # rows at their limit leave: later steps run the others only
+                mats.append((alive, torch.stack(drafts, dim=1)))
+                alive = alive[keep]
+                drafts = []
+                tokens = tokens.index_select(0, torch.from_numpy(np.flatnonzero(keep)))
+            m = len(alive)
+            bt_d = bt_all[alive]
+            pos = pos_all[alive] + (step - 1)
+            ones = [1] * m
+            slots = torch.from_numpy(bt_d[np.arange(m), pos // bs] * bs + pos % bs)
+            meta = build_attention_metadata(ones, (pos + 1).tolist(), torch.from_numpy(bt_d), slots, bs,
+                                            self.sliding_window)
+            with step_rows(ones):
+                hidden = self.draft(tokens, torch.from_numpy(pos), self.kv_caches, meta)
+            tokens = argmax_rows(self.draft.compute_logits(hidden))
+            drafts.append(tokens)
+        if drafts:
+            mats.append((alive, torch.stack(drafts, dim=1)))
+        for rows_, mat in mats:  # a row's tokens: its pieces of every run it was in, in order
+            for j, toks in zip(rows_.tolist(), mat.tolist()):
+                out[idx[j]].extend(toks)
         return out
 
 

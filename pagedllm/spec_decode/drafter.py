@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pagedllm.spec_decode.draft_model import max_drafting_reqs
 from pagedllm.spec_decode.ngram import NgramProposer
@@ -15,19 +15,23 @@ class NgramDrafter:
     mirrors = False  # no model of its own to run over the target's rows
 
     def __init__(self, config) -> None:
+        self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
         self.max_num_reqs = max_drafting_reqs(config)  # from this many requests on no drafts are verified
 
-    def propose(self, states: Sequence, sampled: Sequence[Sequence[int]]) -> list[list[int]]:
+    def propose(self, states: Sequence, sampled: Sequence[Sequence[int]],
+                limits: Optional[Sequence[int]] = None) -> list[list[int]]:
         """``states[i]``: a runner request state (``token_ids`` = prompt + output, this step's tokens included);
-        ``sampled[i]``: what it sampled this step (no drafts for a request still prefilling)."""
+        ``sampled[i]``: what it sampled this step (no drafts for a request still prefilling); ``limits[i]``: at most
+        this many drafts (default ``num_speculative_tokens``)."""
         if len(states) > self.max_num_reqs:
             return [[] for _ in states]
         propose = self.proposer.propose
+        limits = limits or [self.k] * len(states)
         # Structured outputs: no drafts (the grammar's bitmask covers one position per step).
-        return [propose(st.token_ids) if toks and getattr(st.sampling_params, "structured_outputs", None) is None
-                else [] for st, toks in zip(states, sampled)]
+        return [propose(st.token_ids)[:lim] if toks and lim and getattr(st.sampling_params, "structured_outputs", None)
+                is None else [] for st, toks, lim in zip(states, sampled, limits)]
 
 
 def make_drafter(config, runner=None, draft=None):

@@ -322,10 +322,12 @@ class ModelRunner:
                                                              [x[: k + 1] for x in lps[r:r + m]], ranks[r:r + m])
         spec_token_ids = None
         if self.drafter is not None:
+            lim = sched.spec_draft_limits
+            limits = [lim.get(r, self.drafter.k) for r in req_ids] if lim else None
             if getattr(self.drafter, "mirrors", False):  # a draft model computes this step's kept tokens too, then drafts
-                spec_token_ids = self.drafter.propose(states, sampled_lists, starts, query_lens)
+                spec_token_ids = self.drafter.propose(states, sampled_lists, starts, query_lens, limits)
             else:
-                spec_token_ids = self.drafter.propose(states, sampled_lists)
+                spec_token_ids = self.drafter.propose(states, sampled_lists, limits)
 
         prompt_lp = self._prompt_logprobs(states, starts, query_lens, qsl, hidden)
         return ModelRunnerOutput(
