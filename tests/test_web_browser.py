@@ -5,8 +5,8 @@ Against the real ``pagedllm serve`` on SmolLM2 (the session server of conftest.p
 with the same text the API gives; Stop ends the request on the server (running count back to 0); the dashboard's
 charts move while a bounded bench load runs; HTML in model output stays text. Against the fake engine of
 test_async_llm.py in an in-process server with ``--api-key``: the pages ask for the key once, and a refused
-``response_format`` shows the server's 400 message. The test run writes docs/playground.png and docs/dashboard.png
-(the README's screenshots).
+``response_format`` shows the server's 400 message. With ``--update-screenshots`` (``make screenshots``) the run
+writes docs/playground.png and docs/dashboard.png (the README's screenshots); otherwise into a temp dir.
 
 Skips (with the reason) only where the browser can't be started: no playwright package or no chromium.
 """
@@ -87,9 +87,17 @@ def _wait(cond, timeout: float, what: str, step: float = 0.1):
         time.sleep(step)
 
 
-def _screenshot(pg, name: str) -> None:
-    os.makedirs(DOCS, exist_ok=True)
-    pg.screenshot(path=os.path.join(DOCS, name))
+@pytest.fixture(scope="module")
+def shot_dir(request, tmp_path_factory) -> str:
+    """docs/ with ``--update-screenshots`` (``make screenshots``), else a temp dir: a plain run leaves the tree clean."""
+    return DOCS if request.config.getoption("--update-screenshots") else str(tmp_path_factory.mktemp("screenshots"))
+
+
+def _screenshot(pg, out_dir: str, name: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    pg.screenshot(path=path)
+    assert os.path.getsize(path) > 1000, path  # a real PNG of the page, not an empty file
 
 
 def _open_playground(pg, url: str) -> None:
@@ -106,7 +114,7 @@ def _stored_conversations(pg) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------- real server
-def test_message_streams_and_finishes_with_the_api_text(page, server):
+def test_message_streams_and_finishes_with_the_api_text(page, server, shot_dir):
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     question = "Name three colors."
     _open_playground(page, server.url)
@@ -153,7 +161,7 @@ def test_message_streams_and_finishes_with_the_api_text(page, server):
     assert page.locator("#conv-list li").count() == 1
     assert page.locator("#temperature").input_value() == "0"  # settings kept too
     assert not page.errors, page.errors
-    _screenshot(page, "playground.png")
+    _screenshot(page, shot_dir, "playground.png")
 
 
 def test_stop_mid_stream_ends_the_request_on_the_server(page, server):
@@ -204,7 +212,7 @@ def _bench_load(url: str, n: int, out_len: int) -> dict:
                                  timeout_s=GEN_TIMEOUT_MS / 1000))
 
 
-def test_dashboard_charts_update_while_a_bench_load_runs(page, server):
+def test_dashboard_charts_update_while_a_bench_load_runs(page, server, shot_dir):
     page.set_viewport_size({"width": 1280, "height": 1420})  # every chart and the config in the screenshot
     page.goto(server.url + "/dashboard")
     page.wait_for_function("() => Number(document.body.dataset.polls || 0) >= 2", timeout=15000)
@@ -248,7 +256,7 @@ def test_dashboard_charts_update_while_a_bench_load_runs(page, server):
     try:
         _wait(moved, GEN_TIMEOUT_MS / 1000, "the throughput, requests and KV charts to rise", step=0.2)
         assert len(seen) == 3, (seen, [w["completed"] for w in waves], errors)
-        _screenshot(page, "dashboard.png")
+        _screenshot(page, shot_dir, "dashboard.png")
     finally:
         stop_load.set()
         load.join(GEN_TIMEOUT_MS / 1000)
