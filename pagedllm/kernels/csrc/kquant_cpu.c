@@ -168,7 +168,7 @@ void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *x
         const int64_t m = i / nb, b = i % nb, base = m * K + b * 32;
 #if KQ_ISA >= 1
         /* the loop below in 8 lanes, bit for bit: max is order-free, cvtps rounds to nearest even as lrintf does
-         * (the default MXCSR), and the int sums are exact; one 8960-wide row 40 -> ~3 us on an EPYC Zen 3 */
+         * (the default MXCSR), and the int sums are exact; EPYC Zen 3, one 8960-wide row: 12.7 us a call */
         {
             const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
             __m256 v[4], am = _mm256_setzero_ps();
@@ -604,20 +604,20 @@ static inline __attribute__((always_inline)) void kq_tile_pw(const int T, const 
                         lo = _mm256_unpacklo_epi8(cv, sg);
                         hi = _mm256_unpackhi_epi8(cv, sg);
                     } else {
-                    const VI nib = VLOAD(g + no + 64 * v);
-                    cv = c < 4 ? VAND(nib, m4) : VAND(VSRL16(nib, 4), m4);
-                    if (T == KQ_Q5_0 || T == KQ_Q5_K) {
-                        const VI qh = VLOAD(g), b4 = VSET8(0x10);
-                        const VI bit = c < 4 ? VSLL16(qh, 4 - c) : c == 4 ? qh : VSRL16(qh, c - 4);
-                        cv = VOR(cv, VAND(bit, b4));
-                    } else if (T == KQ_Q6_K) {
-                        const VI q = VLOAD(g + 64 * (c >> 2)), b45 = VSET8(0x30);
-                        const int sh = 4 - 2 * (c & 3); /* 4, 2, 0, -2 */
-                        const VI bits = sh > 0 ? VSLL16(q, sh) : sh == 0 ? q : VSRL16(q, -sh);
-                        cv = VOR(cv, VAND(bits, b45));
-                    }
-                    lo = _mm256_unpacklo_epi8(cv, zero);
-                    hi = _mm256_unpackhi_epi8(cv, zero);
+                        const VI nib = VLOAD(g + no + 64 * v);
+                        cv = c < 4 ? VAND(nib, m4) : VAND(VSRL16(nib, 4), m4);
+                        if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                            const VI qh = VLOAD(g), b4 = VSET8(0x10);
+                            const VI bit = c < 4 ? VSLL16(qh, 4 - c) : c == 4 ? qh : VSRL16(qh, c - 4);
+                            cv = VOR(cv, VAND(bit, b4));
+                        } else if (T == KQ_Q6_K) {
+                            const VI q = VLOAD(g + 64 * (c >> 2)), b45 = VSET8(0x30);
+                            const int sh = 4 - 2 * (c & 3); /* 4, 2, 0, -2 */
+                            const VI bits = sh > 0 ? VSLL16(q, sh) : sh == 0 ? q : VSRL16(q, -sh);
+                            cv = VOR(cv, VAND(bits, b45));
+                        }
+                        lo = _mm256_unpacklo_epi8(cv, zero);
+                        hi = _mm256_unpackhi_epi8(cv, zero);
                     }
                     for (int r = 0; r < MR; r++) {
                         int64_t xv;
