@@ -297,3 +297,21 @@ def test_kernel_switches_resolve_once_into_the_frozen_config(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "none")
     assert KernelConfig.from_env().level == "none"
     assert KernelConfig.from_env("avx2" if "avx2" in supported_levels() else "none").level != "amx"
+
+
+def test_kquant_activation_widths_resolve_and_are_checked(monkeypatch):
+    from pagedllm.kernels import KernelConfig
+
+    cfg = KernelConfig.from_env("none")
+    assert (cfg.kquant_act_bits, cfg.kquant_prefill_act_bits) == (16, 8)  # decode exact, prefill llama.cpp-wide
+    monkeypatch.setenv("PAGEDLLM_KQUANT_ACT_BITS", "8")
+    monkeypatch.setenv("PAGEDLLM_KQUANT_PREFILL_ACT_BITS", "16")
+    cfg = KernelConfig.from_env("none")
+    assert (cfg.kquant_act_bits, cfg.kquant_prefill_act_bits) == (8, 16)
+    assert "kquant activations 8-bit (prefill 16-bit)" in cfg.describe()
+    for bad in ("4", "eight"):
+        monkeypatch.setenv("PAGEDLLM_KQUANT_ACT_BITS", bad)
+        with pytest.raises(ValueError, match="PAGEDLLM_KQUANT_ACT_BITS|kquant_act_bits"):
+            KernelConfig.from_env("none")
+    with pytest.raises(ValueError, match="kquant_prefill_act_bits"):
+        KernelConfig(kquant_prefill_act_bits=12)

@@ -3,9 +3,10 @@
 The error bound of the matmul, derived: the weights are the file's values exactly (each dequantized value the
 kernel uses is one of gguf's float32 values, or, for Q4_K / Q5_K, its two exact terms d sc q and dmin m), and the
 integer dot products are exact, so the only approximations are
-  1. the activation rounding: x~_k = xs_b q_k with xs_b = max_b|x| / 16256, |x_k - x~_k| <= 0.504 xs_b
-     (0.5 for the rounding to an integer, the rest for the float32 reciprocal), contributing
-     sum_k |w_k| |x_k - x~_k| <= 0.504 sum_k |w_k| xs_b(k);
+  1. the activation rounding: x~_k = xs_b q_k with xs_b = max_b|x| / 16256, |x_k - x~_k| <= 0.504 s_b where the
+     step s_b is xs_b for 15-bit activations and 128 xs_b (~max_b|x| / 127) for 8-bit ones, whose q_k are multiples
+     of 128 (0.5 for the rounding to an integer, the rest for the float32 reciprocal), contributing
+     sum_k |w_k| |x_k - x~_k| <= 0.504 sum_k |w_k| s_b(k);
   2. float32 arithmetic: one accumulator per row takes K / 32 FMAs (Q6_K: K / 16, one per 16-input scale), each term
      rounded in its int -> float conversion, its scale product (d sc) xs and the FMA; Q4_K / Q5_K's mins go to a
      second accumulator subtracted at the end: <= (K / 16 + 16) 2^-24 sum_k |w_k x~_k|.
@@ -66,14 +67,14 @@ def _blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def _check_bound(x: torch.Tensor, raw: np.ndarray, qtype: T, out_dtype=torch.float32) -> float:
+def _check_bound(x: torch.Tensor, raw: np.ndarray, qtype: T, out_dtype=torch.float32, bits: int = 16) -> float:
     """Asserts our ``x @ W.T`` is within the bound of the module docstring; returns max error / bound."""
     n, k = raw.shape[0], x.shape[1]
     w64 = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float64))
-    acts = quantize_activations(x)
+    acts = quantize_activations(x, bits=bits)
     y = kquant_matmul(acts, [KQuantWeight(qtype, k, torch.from_numpy(raw))], out_dtype).double()
     exact = x.double() @ w64.T
-    xs = acts.xs.double().repeat_interleave(32, dim=1)  # [M, K] block scale per input
+    xs = acts.xs.double().repeat_interleave(32, dim=1) * (128 if bits == 8 else 1)  # [M, K] step per input
     xq = acts.dequantize().double()
     bound = 0.504 * xs @ w64.abs().T + (k / 16 + 16) * 2.0**-24 * (xq.abs() @ w64.abs().T)
     if out_dtype == torch.bfloat16:
@@ -81,22 +82,48 @@ def _check_bound(x: torch.Tensor, raw: np.ndarray, qtype: T, out_dtype=torch.flo
     err = (y - exact).abs()
     assert (err <= bound).all(), f"{qtype.name}: max error/bound {(err / bound).max():.3f}"
     # the activation rounding is the only approximation: against the rounded activations, float32 rounding only
-    acc = (k / 16 + 16) * 2.0**-24 * (xq.abs() @ w64.abs().T) + (exact.abs() * 2.0**-8 if out_dtype == torch.bfloat16
+    on_xq = xq @ w64.T
+    acc = (k / 16 + 16) * 2.0**-24 * (xq.abs() @ w64.abs().T) + (on_xq.abs() * 2.0**-8 if out_dtype == torch.bfloat16
                                                                else 0)
-    assert ((y - xq @ w64.T).abs() <= acc).all()
+    assert ((y - on_xq).abs() <= acc).all()
     return float((err / bound).max())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matmul_within_activation_rounding_bound(qtype, x_dtype):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_matmul_within_activation_rounding_bound(qtype, x_dtype, bits):
     k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 96
     raw = _blocks(qtype, 67, k, seed=int(qtype))
     x = torch.randn(37, k, dtype=x_dtype)
     x[3] *= 1e3  # rows and blocks of very different magnitudes
     x[5, :32] = 0  # an all-zero block (scale 0)
-    _check_bound(x.float() if x_dtype == torch.float32 else x, raw, qtype)
-    _check_bound(x, raw, qtype, torch.bfloat16)
+    _check_bound(x.float() if x_dtype == torch.float32 else x, raw, qtype, bits=bits)
+    _check_bound(x, raw, qtype, torch.bfloat16, bits=bits)
+
+
+def test_8bit_activations():
+    """8-bit activations are 128 times an int8 per block of 32 (lo all zero) at the same scale, round to nearest,
+    and the kernels' 8-bit paths (which skip lo) give the same bits as the general path on those activations."""
+    x = torch.randn(5, 256)
+    x[2, :32] = 0.0
+    a8 = quantize_activations(x, bits=8)
+    assert not a8.lo.any() and a8.hi.abs().max() == 127
+    amax = x.view(5, -1, 32).abs().amax(-1, keepdim=True)
+    want = torch.round(x.view(5, -1, 32) * 127 / torch.where(amax > 0, amax, 1)).view(5, 256)
+    assert torch.equal(a8.hi.float(), want)
+    assert torch.equal(a8.xs, quantize_activations(x, bits=16).xs)
+    assert torch.equal(a8.isum16, (128 * a8.hi.int()).view(5, -1, 16).sum(-1, dtype=torch.int32))
+    for qtype in TYPES:
+        k = 256
+        w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 40, k, seed=3))).tiled()
+        for m in (1, 3, 4, 6):
+            acts = quantize_activations(torch.randn(m, k).bfloat16(), bits=8)
+            fast = kquant_matmul(acts, [w], torch.float32)
+            acts.bits = 16  # the same buffer through the 15-bit path
+            assert torch.equal(fast, kquant_matmul(acts, [w], torch.float32)), (qtype.name, m)
+    with pytest.raises(ValueError, match="bits"):
+        quantize_activations(x, bits=4)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -184,25 +211,31 @@ def test_every_isa_gives_the_same_bits(tmp_path):
     # the activations' quantization too (vectorized from AVX2 on), both input dtypes, blocks of 0 and of huge values
     xa = torch.randn(3, 256) * torch.logspace(-30, 30, 256)
     xa[1, :32] = 0.0
-    for xd in (xa, xa.bfloat16()):
-        bufs = {name: quantize_activations(xd, lib).buf for name, lib in libs.items()}
-        for name, b in bufs.items():
-            assert torch.equal(b, bufs["scalar"]), (xd.dtype, name)
+    for bits in (8, 16):
+        for xd in (xa, xa.bfloat16()):
+            bufs = {name: quantize_activations(xd, lib, bits).buf for name, lib in libs.items()}
+            for name, b in bufs.items():
+                assert torch.equal(b, bufs["scalar"]), (xd.dtype, name, bits)
     for qtype in TYPES:
         k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 128
         w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 21, k, seed=2)))
         x = torch.randn(6, k).bfloat16()
-        ys = {name: kquant_linear(x, [w], torch.float32, lib=lib) for name, lib in libs.items()}
-        for name, y in ys.items():
-            assert torch.equal(y, ys["scalar"]), (qtype.name, name)
+        for bits in (8, 16):
+            ys = {name: kquant_matmul(quantize_activations(x, lib, bits), [w], torch.float32, lib=lib)
+                  for name, lib in libs.items()}
+            for name, y in ys.items():
+                assert torch.equal(y, ys["scalar"]), (qtype.name, name, bits)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_largest_codes_and_activations_stay_exact(tmp_path, qtype):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_largest_codes_and_activations_stay_exact(tmp_path, qtype, bits):
     """The integer sums' worst case: every code at its largest (all code bits set; Q8_0 at -128 and 127), and
     activation blocks whose 15-bit codes are all at +-16256 (hi = +-127) or at 16255 (hi 126, lo 127). The AVX2
     build widens the codes to int16 (Q8_0's by sign extension) and multiplies them by xq in int16 pairs: a wrong
-    extension, an overflow or a saturation shows as a difference from the scalar build's plain int32 sums."""
+    extension, an overflow or a saturation shows as a difference from the scalar build's plain int32 sums; with
+    8-bit activations (hi = +-127) it sums vpmaddubsw's int16 pairs over several chunks before widening, where an
+    overflow would show the same way."""
     k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 128
     raw = np.full((16, k // GGML_QUANT_SIZES[qtype][0], GGML_QUANT_SIZES[qtype][1]), 0xFF, dtype=np.uint8)
     if qtype == T.Q8_0:
@@ -217,10 +250,11 @@ def test_largest_codes_and_activations_stay_exact(tmp_path, qtype):
     near[:, 0] = 1.0
     x = torch.stack([top, -top, near, -near]).reshape(4, k).float()
     libs = {"scalar": _build_for(tmp_path, "x86-64"), "plain_avx2": _build_for(tmp_path, "x86-64-v3")}
-    ys = {name: kquant_linear(x, [w], torch.float32, lib=lib) for name, lib in libs.items()}
+    ys = {name: kquant_matmul(quantize_activations(x, lib, bits), [w], torch.float32, lib=lib)
+          for name, lib in libs.items()}
     assert torch.equal(ys["plain_avx2"], ys["scalar"]), qtype.name
     # and the scalar sums are right: against float64 on the same quantized activations
-    xq = quantize_activations(x, libs["scalar"]).dequantize().double()
+    xq = quantize_activations(x, libs["scalar"], bits).dequantize().double()
     ref = xq @ w.dequantize().double().T
     assert torch.allclose(ys["scalar"].double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
 
@@ -372,10 +406,13 @@ def test_embedding_and_heads_kept_as_stored(qtype, dtype):
     got = emb(ids)
     assert got.shape == (2, 2, k) and got.dtype == dtype and torch.equal(got, ref[ids].to(dtype))
     x = torch.randn(5, k, dtype=dtype)
+    from pagedllm import kernels
+
+    step = 127 if kernels.config().kquant_act_bits == 8 else 16256  # the activations' rounding step: max|x| / step
     for logits, bias in ((emb.logits(x), 0), (head.logits(x), head.bias.double())):
         assert logits.dtype == torch.float32 and logits.shape == (5, n)
         exact = x.double() @ ref.double().T + bias
-        xs = x.double().abs().view(5, -1, 32).amax(-1).repeat_interleave(32, 1) / 16256
+        xs = x.double().abs().view(5, -1, 32).amax(-1).repeat_interleave(32, 1) / step
         bound = 0.504 * xs @ ref.double().abs().T + 2.0**-18 * (x.double().abs() @ ref.double().abs().T) + 1e-6
         assert ((logits.double() - exact).abs() <= bound).all()
 
@@ -415,7 +452,8 @@ def test_prefill_tiles_in_bf16_equal_dequantized_bf16_matmul(qtype):
 
 def test_step_rows_give_each_row_its_kernel():
     """Inside a step (``step_rows``): decode rows take the integer kernel (the same bits as outside a step), prefill
-    rows the bf16 tile path where the level has one; a row's result never depends on its neighbours."""
+    rows the bf16 tile path where the level has one, else the integer kernel on 8-bit activations (by default); a
+    row's result never depends on its neighbours."""
     from pagedllm.layers.quantization import kquant
     from pagedllm.layers.quantization.kernels import step_rows
 
@@ -431,8 +469,12 @@ def test_step_rows_give_each_row_its_kernel():
     assert torch.equal(mixed[1:6], pre)
     if kquant.prefill_backend() is not None:
         assert torch.equal(pre, kquant.kquant_prefill_bf16(x[1:6], ws, kquant.prefill_backend()))
-    else:
-        assert torch.equal(pre, ints[1:6])
+    else:  # the integer kernel on activations of the prefill width (KernelConfig.kquant_prefill_act_bits)
+        from pagedllm import kernels
+
+        bits = kernels.config().kquant_prefill_act_bits
+        assert torch.equal(pre, kquant_matmul(quantize_activations(x[1:6], bits=bits), ws, torch.bfloat16))
+        assert torch.equal(pre, ints[1:6]) == (bits == kernels.config().kquant_act_bits)
 
 
 @pytest.mark.slow

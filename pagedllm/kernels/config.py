@@ -108,6 +108,13 @@ class KernelConfig:
     fused_stack: bool = True
     hugepages: bool = False
     batch_invariant: bool = True
+    kquant_act_bits: int = 16  # 8 or 16: activations of the GGUF integer matmuls' decode rows (and unmarked calls)
+    kquant_prefill_act_bits: int = 8  # the same for prefill rows (``step_rows``)
+
+    def __post_init__(self) -> None:
+        for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
+            if getattr(self, name) not in (8, 16):
+                raise ValueError(f"{name} must be 8 or 16; got {getattr(self, name)!r}.")
 
     @property
     def native(self) -> bool:
@@ -126,7 +133,8 @@ class KernelConfig:
         off = [n for n in ("cpu_kernels", "amx_attention", "amx_linear", "pack_weights", "fused_stack",
                            "batch_invariant") if not getattr(self, n)]
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
-                + (", hugepages" if self.hugepages else ""))
+                + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
+                + f" (prefill {self.kquant_prefill_act_bits}-bit)")
 
     @classmethod
     def from_env(cls, cpu_isa: Optional[str] = None) -> "KernelConfig":
@@ -136,7 +144,17 @@ class KernelConfig:
         return cls(level=level, cpu_kernels=envs.flag("PAGEDLLM_CPU_KERNELS"),
                    amx_attention=envs.flag("PAGEDLLM_AMX_ATTENTION"), amx_linear=envs.flag("PAGEDLLM_AMX_LINEAR"),
                    pack_weights=envs.flag("PAGEDLLM_PACK_WEIGHTS"), fused_stack=envs.flag("PAGEDLLM_FUSED_STACK"),
-                   hugepages=envs.flag("PAGEDLLM_HUGEPAGES"), batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"))
+                   hugepages=envs.flag("PAGEDLLM_HUGEPAGES"), batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"),
+                   kquant_act_bits=_int_env("PAGEDLLM_KQUANT_ACT_BITS"),
+                   kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"))
+
+
+def _int_env(name: str) -> int:
+    v = envs.get(name)
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer; got {v!r}.") from None
 
 
 # oneDNN (torch's bf16 matmuls) and ATen's vectorized kernels read these once, when first used: a process that sets

@@ -85,11 +85,12 @@ int kq_release_file_pages(const void *p, int64_t n);
 /* x [M, K] bf16 / float32 -> 15-bit activations: xhi, xlo int8 [M, K]; xs, xsum32 float [M, K/32]; isum16 int32
  * [M, K/16] */
 void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *xhi, int8_t *xlo, float *xs,
-                     float *xsum32, int32_t *isum16);
-/* out [M, ldo] float32 / bf16, columns 0..N-1 = activations @ W.T with W tiled (kq_pack); -1: bad type */
+                     float *xsum32, int32_t *isum16, int act_bits);
+/* out [M, ldo] float32 / bf16, columns 0..N-1 = activations @ W.T with W tiled (kq_pack); act8: act_bits was 8;
+ * -1: bad type */
 int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xhi, const int8_t *xlo,
               const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
-              int out_bf16);
+              int out_bf16, int act8);
 /* out [n, K] float32 / bf16 = rows ids of the tiled W dequantized (gguf's values); -1: bad type */
 int kq_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *out,
                     int out_bf16);

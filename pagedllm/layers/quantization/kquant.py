@@ -13,7 +13,10 @@ float32 accumulator per row (the epilogue); see ``kquant_cpu.c`` for the layout.
 along K before: 2.5-3x the memory floor at decode; now 1.15-1.6x, see the issue-20 report.)
 
 The activations are quantized per 32 inputs to 15 bits (``quantize_activations``); the u8 x s8 products are summed
-exactly in int32 and the block scales applied in float32.
+exactly in int32 and the block scales applied in float32. Prefill rows (``step_rows``) on the integer kernel take
+8-bit activations by default (``KernelConfig.kquant_prefill_act_bits``: int8 per 32 inputs, as llama.cpp's Q8_0;
+the kernel then skips the low half, 1.2x faster prefill on AVX2), decode rows 15 bits (``kquant_act_bits``); the row
+kind, never the row count, picks the width, so batch invariance holds.
 
 Error: per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15, far below a bf16 rounding),
 so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 arithmetic; ``tests/test_kquant.py`` checks it
@@ -109,8 +112,8 @@ class QuantizedActivations:
     and the exact int32 sums of xq per half block (``isum16 [M, K/16]``). The views are made on demand (a decode
     step quantizes ~100 activations: one allocation each keeps the per-call overhead at a few microseconds)."""
 
-    def __init__(self, m: int, k: int) -> None:
-        self.m, self.k = m, k
+    def __init__(self, m: int, k: int, bits: int = 16) -> None:
+        self.m, self.k, self.bits = m, k, bits
         self.buf = torch.empty(2 * m * k + 4 * m * (k // 32) * 2 + 4 * m * (k // 16), dtype=torch.uint8)
         base = self.buf.data_ptr()
         n32 = m * (k // 32)
@@ -147,15 +150,23 @@ class QuantizedActivations:
         return (q.view(q.shape[0], -1, 32) * self.xs[..., None]).view(q.shape)
 
 
-def quantize_activations(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None) -> QuantizedActivations:
-    """``x [M, K]`` (bf16 / float32; K % 32 == 0) -> ``QuantizedActivations`` (one pass, in C)."""
+def quantize_activations(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None, bits: Optional[int] = None
+                         ) -> QuantizedActivations:
+    """``x [M, K]`` (bf16 / float32; K % 32 == 0) -> ``QuantizedActivations`` (one pass, in C).
+
+    ``bits`` (default the active ``KernelConfig.kquant_act_bits``): 16: xq = rint(x / xs), xs = max|x| / 16256 per
+    block of 32; 8: xq = 128 rint(127 x / max|x|) (lo = 0; the matmul then skips lo: about half the integer work),
+    per element error <= max|x| / 254, llama.cpp's per-32 int8 (finer than its per-256 Q8_K for K-quants)."""
     lib = lib or get_lib()
+    bits = kernels.config().kquant_act_bits if bits is None else bits
+    if bits not in (8, 16):
+        raise ValueError(f"bits must be 8 or 16; got {bits!r}")
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()
     x = x.contiguous()
     m, k = x.shape
-    a = QuantizedActivations(m, k)
-    lib.kq_quantize_act(x.data_ptr(), m, k, int(x.dtype == torch.bfloat16), *a.ptrs)
+    a = QuantizedActivations(m, k, bits)
+    lib.kq_quantize_act(x.data_ptr(), m, k, int(x.dtype == torch.bfloat16), *a.ptrs, bits)
     return a
 
 
@@ -174,7 +185,7 @@ def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], o
     col = 0
     for w in weights:
         rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, p_hi, p_lo, p_xs, p_s32, p_i16, m,
-                           out.data_ptr() + col * esize, n_total, int(out_dtype == torch.bfloat16))
+                           out.data_ptr() + col * esize, n_total, int(out_dtype == torch.bfloat16), int(acts.bits == 8))
         if rc == -2:
             raise MemoryError(f"kquant_matmul: no memory for the int16 activations ({m} x {k})")
         if rc != 0:
@@ -261,7 +272,18 @@ def kquant_linear(x: torch.Tensor, weights: Sequence[KQuantWeight], out_dtype: O
             out[rows.decode] = kquant_matmul(quantize_activations(x[rows.decode], lib), weights, torch.bfloat16, lib)
             out[rows.prefill] = kquant_prefill_bf16(x[rows.prefill], weights, found, lib)
             return out
-    y = kquant_matmul(quantize_activations(x, lib), weights, kernel_dtype, lib)
+    cfg = kernels.config()
+    if rows is not None and rows.num_tokens == x.shape[0] and rows.prefill is not None and \
+            cfg.kquant_prefill_act_bits != cfg.kquant_act_bits:
+        pb = cfg.kquant_prefill_act_bits
+        if rows.decode is None:
+            y = kquant_matmul(quantize_activations(x, lib, pb), weights, kernel_dtype, lib)
+        else:
+            y = torch.empty(x.shape[0], sum(w.rows for w in weights), dtype=kernel_dtype)
+            y[rows.decode] = kquant_matmul(quantize_activations(x[rows.decode], lib), weights, kernel_dtype, lib)
+            y[rows.prefill] = kquant_matmul(quantize_activations(x[rows.prefill], lib, pb), weights, kernel_dtype, lib)
+    else:
+        y = kquant_matmul(quantize_activations(x, lib), weights, kernel_dtype, lib)
     return y if kernel_dtype == out_dtype else y.to(out_dtype)
 
 
