@@ -486,6 +486,47 @@ static inline __attribute__((always_inline)) void kq_unpack_codes(const int T, c
     }
 }
 
+/* A group's float scales per lane (rows l0 ..): A0 = d (Q8_0, Q5_0), d sc_j (Q4_K, Q5_K; B = dmin m_j) or Q6_K's
+ * d sc of its two halves (A0, A1); h is the block's tile header, dv / dmv its d / dmin of these lanes. */
+static inline __attribute__((always_inline)) void kq_group_scales(const int T, const uint8_t *h, int j, int l0,
+                                                                  VF dv, VF dmv, VF *A0, VF *A1, VF *B) {
+    *A1 = *B = VZEROF;
+    if (T == KQ_Q8_0 || T == KQ_Q5_0) {
+        *A0 = dv;
+    } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
+        *A0 = VMUL(dv, VU8F(h + 64 + 16 * j + l0));
+        *B = VMUL(dmv, VU8F(h + 192 + 16 * j + l0));
+    } else {
+        *A0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j) + l0));
+        *A1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1) + l0));
+    }
+}
+
+/* The float epilogue every vector path shares, in the scalar path's order: for rows m0 .. m0 + MR - 1 of group gi,
+ * dq[0][r] = the exact int32 dot of codes and xq (Q6_K: its first half, dq[1][r] the second), minus the offset times
+ * the int sum of xq (Q5_0: 16, Q6_K: 32, Q8_0: q8_off, 128 where its codes were made unsigned), converted and FMA-ed
+ * with (scale) xs into acc; Q4_K / Q5_K's min term into sacc. */
+static inline __attribute__((always_inline)) void kq_group_fma(const int T, const int MR, const int q8_off,
+                                                               VI dq[2][4], VF A0, VF A1, VF B, const kq_act *a,
+                                                               int64_t m0, int64_t gi, VF acc[4], VF sacc[4]) {
+    const int64_t nb32 = a->K / 32;
+    for (int r = 0; r < MR; r++) {
+        const int64_t m = m0 + r;
+        const int32_t i0 = a->isum16[m * 2 * nb32 + 2 * gi], i1 = a->isum16[m * 2 * nb32 + 2 * gi + 1];
+        const VF xsf = VSETF(a->xs[m * nb32 + gi]);
+        if (T == KQ_Q6_K) {
+            acc[r] = VFMA(VCVT(VSUB32(dq[0][r], VSET32(32 * i0))), VMUL(A0, xsf), acc[r]);
+            acc[r] = VFMA(VCVT(VSUB32(dq[1][r], VSET32(32 * i1))), VMUL(A1, xsf), acc[r]);
+        } else {
+            const int32_t off = T == KQ_Q5_0 ? 16 : T == KQ_Q8_0 ? q8_off : 0;
+            VI d = dq[0][r];
+            if (off) d = VSUB32(d, VSET32(off * (i0 + i1)));
+            acc[r] = VFMA(VCVT(d), VMUL(A0, xsf), acc[r]);
+            if (T == KQ_Q4_K || T == KQ_Q5_K) sacc[r] = VFMA(B, VSETF(a->xsum32[m * nb32 + gi]), sacc[r]);
+        }
+    }
+}
+
 #endif
 
 #if KQ_ISA >= 2
@@ -518,16 +559,9 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
             } else {
                 kq_unpack_codes(T, g + lb, cv);
             }
-            VF A0, A1 = VZEROF, B = VZEROF;
-            if (T == KQ_Q8_0 || T == KQ_Q5_0) {
-                A0 = dv;
-            } else if (kmin) {
-                A0 = VMUL(dv, VU8F(h + 64 + 16 * j + l0));
-                B = VMUL(dmv, VU8F(h + 192 + 16 * j + l0));
-            } else {
-                A0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j) + l0));
-                A1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1) + l0));
-            }
+            VF A0, A1, B;
+            kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
+            VI dq[2][4];
             for (int r = 0; r < MR; r++) {
                 const int64_t m = m0 + r;
                 const int8_t *xh = a->xhi + m * K + 32 * gi, *xl = a->xlo + m * K + 32 * gi;
@@ -543,19 +577,10 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
                     }
                 }
                 const VI d0 = VADD32(VSLL32(h0, 7), w0), d1 = VADD32(VSLL32(h1, 7), w1);
-                const int32_t i0 = a->isum16[m * 2 * nb32 + 2 * gi], i1 = a->isum16[m * 2 * nb32 + 2 * gi + 1];
-                const VF xsf = VSETF(a->xs[m * nb32 + gi]);
-                if (T == KQ_Q6_K) {
-                    acc[r] = VFMA(VCVT(VSUB32(d0, VSET32(32 * i0))), VMUL(A0, xsf), acc[r]);
-                    acc[r] = VFMA(VCVT(VSUB32(d1, VSET32(32 * i1))), VMUL(A1, xsf), acc[r]);
-                } else {
-                    const int32_t off = T == KQ_Q5_0 ? 16 : T == KQ_Q8_0 ? 128 : 0;
-                    VI d = VADD32(d0, d1);
-                    if (off) d = VSUB32(d, VSET32(off * (i0 + i1)));
-                    acc[r] = VFMA(VCVT(d), VMUL(A0, xsf), acc[r]);
-                    if (kmin) sacc[r] = VFMA(B, VSETF(a->xsum32[m * nb32 + gi]), sacc[r]);
-                }
+                dq[0][r] = T == KQ_Q6_K ? d0 : VADD32(d0, d1);
+                dq[1][r] = d1;
             }
+            kq_group_fma(T, MR, 128, dq, A0, A1, B, a, m0, gi, acc, sacc);
         }
     }
     for (int r = 0; r < MR; r++) VSTOREF(res[r] + l0, kmin ? VSUBF(acc[r], sacc[r]) : acc[r]);
@@ -591,16 +616,8 @@ static inline __attribute__((always_inline)) void kq_tile_pw(const int T, const 
             if (l0 == 0)
                 for (int pl = 0; pl < gb; pl += 64)
                     _mm_prefetch((const char *)(h + hb + j * gb + KQ_PREFETCH + pl), _MM_HINT_T0);
-            VF A0, A1 = VZEROF, B = VZEROF;
-            if (T == KQ_Q5_0 || T == KQ_Q8_0) {
-                A0 = dv;
-            } else if (kmin) {
-                A0 = VMUL(dv, VU8F(h + 64 + 16 * j + l0));
-                B = VMUL(dmv, VU8F(h + 192 + 16 * j + l0));
-            } else {
-                A0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j) + l0));
-                A1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1) + l0));
-            }
+            VF A0, A1, B;
+            kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
             /* Q6_K scales each half group on its own: chunks 0..3, then 4..7; the others sum all 8 at once */
             const int nh = T == KQ_Q6_K ? 2 : 1, cpp = 8 / nh;
             VI dq[2][4];
@@ -646,20 +663,7 @@ static inline __attribute__((always_inline)) void kq_tile_pw(const int T, const 
                 }
                 for (int r = 0; r < MR; r++) dq[hh][r] = _mm256_hadd_epi32(al[r], ah[r]);
             }
-            for (int r = 0; r < MR; r++) {
-                const int64_t m = m0 + r;
-                const int32_t i0 = a->isum16[m * 2 * nb32 + 2 * gi], i1 = a->isum16[m * 2 * nb32 + 2 * gi + 1];
-                const VF xsf = VSETF(a->xs[m * nb32 + gi]);
-                if (T == KQ_Q6_K) {
-                    acc[r] = VFMA(VCVT(VSUB32(dq[0][r], VSET32(32 * i0))), VMUL(A0, xsf), acc[r]);
-                    acc[r] = VFMA(VCVT(VSUB32(dq[1][r], VSET32(32 * i1))), VMUL(A1, xsf), acc[r]);
-                } else {
-                    VI d = dq[0][r];
-                    if (T == KQ_Q5_0) d = VSUB32(d, VSET32(16 * (i0 + i1)));
-                    acc[r] = VFMA(VCVT(d), VMUL(A0, xsf), acc[r]);
-                    if (kmin) sacc[r] = VFMA(B, VSETF(a->xsum32[m * nb32 + gi]), sacc[r]);
-                }
-            }
+            kq_group_fma(T, MR, 0, dq, A0, A1, B, a, m0, gi, acc, sacc);
         }
     }
     for (int r = 0; r < MR; r++) VSTOREF(res[r] + l0, kmin ? VSUBF(acc[r], sacc[r]) : acc[r]);
@@ -694,16 +698,8 @@ static inline __attribute__((always_inline)) void kq_tile_ub(const int T, const 
             if (l0 == 0)
                 for (int pl = 0; pl < gb; pl += 64)
                     _mm_prefetch((const char *)(h + hb + j * gb + KQ_PREFETCH + pl), _MM_HINT_T0);
-            VF A0, A1 = VZEROF, B = VZEROF;
-            if (T == KQ_Q5_0 || T == KQ_Q8_0) {
-                A0 = dv;
-            } else if (kmin) {
-                A0 = VMUL(dv, VU8F(h + 64 + 16 * j + l0));
-                B = VMUL(dmv, VU8F(h + 192 + 16 * j + l0));
-            } else {
-                A0 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j) + l0));
-                A1 = VMUL(dv, VS8F(h + 32 + 16 * (2 * j + 1) + l0));
-            }
+            VF A0, A1, B;
+            kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
             VI cv[8];
             if (T == KQ_Q8_0) {
                 for (int c = 0; c < 8; c++) cv[c] = VLOAD(g + 64 * c);
@@ -731,20 +727,7 @@ static inline __attribute__((always_inline)) void kq_tile_ub(const int T, const 
                 dq[0][r] = VSLL32(s32[0], 7);
                 dq[1][r] = VSLL32(s32[1], 7);
             }
-            for (int r = 0; r < MR; r++) {
-                const int64_t m = m0 + r;
-                const int32_t i0 = a->isum16[m * 2 * nb32 + 2 * gi], i1 = a->isum16[m * 2 * nb32 + 2 * gi + 1];
-                const VF xsf = VSETF(a->xs[m * nb32 + gi]);
-                if (T == KQ_Q6_K) {
-                    acc[r] = VFMA(VCVT(VSUB32(dq[0][r], VSET32(32 * i0))), VMUL(A0, xsf), acc[r]);
-                    acc[r] = VFMA(VCVT(VSUB32(dq[1][r], VSET32(32 * i1))), VMUL(A1, xsf), acc[r]);
-                } else {
-                    VI d = dq[0][r];
-                    if (T == KQ_Q5_0) d = VSUB32(d, VSET32(16 * (i0 + i1)));
-                    acc[r] = VFMA(VCVT(d), VMUL(A0, xsf), acc[r]);
-                    if (kmin) sacc[r] = VFMA(B, VSETF(a->xsum32[m * nb32 + gi]), sacc[r]);
-                }
-            }
+            kq_group_fma(T, MR, 0, dq, A0, A1, B, a, m0, gi, acc, sacc);
         }
     }
     for (int r = 0; r < MR; r++) VSTOREF(res[r] + l0, kmin ? VSUBF(acc[r], sacc[r]) : acc[r]);
