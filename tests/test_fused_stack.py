@@ -120,3 +120,35 @@ def test_fused_stack_int4_smollm2_equals_python_layer_loop(monkeypatch):
             else:
                 assert not calls
         assert results["1"] == results["0"], invariant
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kernels.lib("kquant") is None, reason="no kquant kernels here (level none)")
+def test_fused_stack_kquant_qwen_equals_python_layer_loop(monkeypatch):
+    """Qwen2.5-Coder-0.5B GGUF as stored (Q5_0 / Q8_0 / Q6_K / Q4_K linears, fused qkv shards of different types, a
+    bf16 qkv bias): decode-only steps fuse (kquant_matmul on the decode rows' activation width, then the bias added
+    as torch adds it), steps with prefill rows take the Python loop. Greedy tokens and logprobs equal fused vs not,
+    for two prompts decoding side by side (batch 2) and one alone."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model_files import qwen25_05b_path
+
+    calls = []
+    orig = FusedStack.forward
+    monkeypatch.setattr(FusedStack, "forward", lambda self, *a: calls.append(orig(self, *a)) or calls[-1])
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+        calls.clear()
+        llm = LLM(model=qwen25_05b_path(), quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+        model = llm.llm_engine.engine_core.runner.model
+        assert {m.kind for m in model.quant_modules.values()} == {"kquant"}
+        outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+        results[fused] = [_tokens_and_logprobs(o) for o in outs]
+        if fused == "1":
+            assert any(c is not None for c in calls) and any(c is None for c in calls)
+        else:
+            assert not calls
+        del llm
+    assert results["1"] == results["0"]

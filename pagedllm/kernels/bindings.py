@@ -104,11 +104,16 @@ class StackLayer(ctypes.Structure):
 class StackModel(ctypes.Structure):
     _fields_ = [(n, I64) for n in ("num_layers", "hidden", "H", "KVH", "D", "inter", "BS")] + [
         ("eps", F32), ("scale", F32)] + [(n, P) for n in ("linear", "rms", "rope", "decode", "prefill", "int4",
-                                                       "silu_mul", "layers")]
+                                                       "silu_mul", "kq_quant", "kq_matmul")] + [
+        ("kq_act_bits", I64), ("layers", P)]
+
+
+class StackKqShard(ctypes.Structure):
+    _fields_ = [("type", I64), ("rows", I64), ("w", P)]
 
 
 class StackStep(ctypes.Structure):
     _fields_ = [("T", I64), ("x", P), ("x_out", P), ("res_out", P), ("cs", P), ("cs_stride", I64),
                 ("slots", P), ("n_dec", I64), ("dec_max_blocks", I64), ("dec_bt", P), ("dec_seq_lens", P),
                 ("dec_rows", P), ("n_pre", I64), ("pre_max_blocks", I64), ("pre_bt", P), ("pre_q_starts", P),
-                ("pre_q_lens", P), ("pre_seq_lens", P), ("pre_ws", P), ("scratch", P)]
+                ("pre_q_lens", P), ("pre_seq_lens", P), ("pre_ws", P), ("scratch", P), ("kq_scratch", P)]

@@ -8,13 +8,15 @@ path's bit for bit (``tests/test_fused_stack.py``); only the per-call overhead g
 It runs where every layer is a fast path: bf16, one process (no tensor/pipeline parallelism), every linear either a
 ``PackedLinear`` on a packed-kernel backend (``packed_linear.LINEAR_BACKENDS``: AMX, or dpbf16 without AMX; all on
 the same one, gate_up packed gated) or an int4 ``QuantLinear`` the int4 GEMV takes as it is (GGUF Q4_0/Q4_1, GPTQ/AWQ without act-order or bias;
-then only decode-only steps, or with ``batch_invariant`` off steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens), no q/k norm (Qwen3), the C
+then only decode-only steps, or with ``batch_invariant`` off steps of <= ``INT4_GEMV_MAX_TOKENS`` tokens) or a GGUF
+K-quant ``QuantLinear`` (``kquant_matmul`` on its tiled shards, a bf16 bias allowed; decode-only steps), no q/k norm (Qwen3), the C
 RMSNorm/RoPE/decode-attention kernels built, one attention metadata for all layers, and for steps with prefill
 tokens the AMX prefill attention kernel available (level ``amx``, head_dim % 32 == 0, <= 128; block_size % 16 == 0).
 So it runs at every ISA level that has those kernels (decode steps below ``amx``). Elsewhere, and with
 ``KernelConfig.fused_stack`` off (``PAGEDLLM_FUSED_STACK=0``), the model's Python layer loop runs as before.
 Measured (SmolLM2, interleaved, best of 40 steps): bf16 batch 1 11.7-12.7 vs 15.3-15.7 ms, batch 16 at 500-token
-contexts 23.3-24.4 vs 28.3-28.9 ms; the 4-bit GGUF at batch 1 7.2-7.3 vs 10.9-16.4 ms.
+contexts 23.3-24.4 vs 28.3-28.9 ms; the 4-bit GGUF at batch 1 7.2-7.3 vs 10.9-16.4 ms. Qwen2.5-Coder-1.5B Q4_K_M (K-quant linears), EPYC Zen 3, batch 1,
+48 tokens, three runs each: 54-61 vs 68-76 ms a token.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pagedllm.attention.cpu_kernels import _sync_decode_amx
 from pagedllm.attention.torch_attn import AttentionMetadata
 from pagedllm.layers.quantization.kernels import INT4_GEMV_MAX_TOKENS
 from pagedllm.kernels.bindings import StackLayer as _Layer
+from pagedllm.kernels.bindings import StackKqShard as _KqShard
 from pagedllm.kernels.bindings import StackModel as _Model
 from pagedllm.kernels.bindings import StackStep as _Step
 
@@ -39,7 +42,8 @@ def _addr(lib: ctypes.CDLL, name: str) -> int:
 
 def _linear_kind(mod: Any) -> Optional[int]:
     """0: a ``PackedLinear`` on a packed-kernel backend; 1: an int4 ``QuantLinear`` the int4 GEMV takes as it is (no input
-    permutation, no bias, bf16 scales, group % 4 == 0); None: another layer (the fused loop doesn't run)."""
+    permutation, no bias, bf16 scales, group % 4 == 0); 2: a GGUF K-quant ``QuantLinear`` (tiled shards, no bias or a
+    bf16 one); None: another layer (the fused loop doesn't run)."""
     from pagedllm.layers.packed_linear import PackedLinear
     from pagedllm.layers.quantization.kernels import INT4_OURS
     from pagedllm.layers.quantization.linear import QuantLinear
@@ -50,6 +54,9 @@ def _linear_kind(mod: Any) -> Optional[int]:
             and mod.scales_and_zeros.dtype == torch.bfloat16 and mod._kernel_group % 4 == 0
             and mod._int4_layout == INT4_OURS):
         return 1
+    if (type(mod) is QuantLinear and mod.kind == "kquant" and all(w.is_tiled for w in mod._kq)
+            and (mod.bias is None or (mod.bias.dtype == torch.bfloat16 and mod.bias.is_contiguous()))):
+        return 2
     return None
 
 
@@ -62,7 +69,7 @@ class FusedStack:
     """
 
     def __init__(self, model: Any, lib: ctypes.CDLL, cpu: ctypes.CDLL, amx: Optional[ctypes.CDLL],
-                 int4: Optional[ctypes.CDLL], prefill_ok: bool) -> None:
+                 int4: Optional[ctypes.CDLL], prefill_ok: bool, kq: Optional[ctypes.CDLL] = None) -> None:
         layers = list(model.layers)
         a0 = layers[0].self_attn
         self.hidden = layers[0].input_layernorm.hidden_size
@@ -73,6 +80,10 @@ class FusedStack:
         # without prefill rows, which it gives the C tile kernel; else steps of <= INT4_GEMV_MAX_TOKENS tokens)
         self.any_int4 = False
         self.int4_max_tokens = None if kernels.config().batch_invariant else INT4_GEMV_MAX_TOKENS
+        # K-quant linears run kquant_matmul on kquant_act_bits activations, the Python path's decode rows (prefill
+        # rows take other widths or the bf16 tile path: steps with prefill rows take the Python loop)
+        self.any_kq = False
+        self._keep: list = []  # the shard arrays the C structs point into
         self.layers = layers
         self._lib, self._cpu = lib, cpu
         self._arr = (_Layer * len(layers))()
@@ -86,6 +97,13 @@ class FusedStack:
                 if _linear_kind(mod) == 0:
                     d.kind, d.w, d.bias = 0, mod._w_ptr, mod._b_ptr
                     m_linear = mod._amx
+                elif _linear_kind(mod) == 2:  # the shards side by side, the bf16 bias (or NULL) in sz
+                    shards = (_KqShard * len(mod._kq))(*[(int(w.ggml_type), w.rows, w.data.data_ptr())
+                                                          for w in mod._kq])
+                    self._keep.append(shards)
+                    d.kind, d.w, d.group = 2, ctypes.addressof(shards), len(shards)
+                    d.sz = None if mod.bias is None else mod.bias.data_ptr()
+                    self.any_kq = True
                 else:
                     d.kind, d.w, d.sz = 1, mod.packed.data_ptr(), mod.scales_and_zeros.data_ptr()
                     d.group, d.n_pad = mod._kernel_group, mod.packed.shape[0]
@@ -105,6 +123,11 @@ class FusedStack:
             m.prefill = _addr(amx, "amx_prefill_attention_bf16")
         if int4 is not None:
             m.int4 = _addr(int4, "int4_gemv_bf16")
+        if kq is not None:
+            m.kq_quant, m.kq_matmul = _addr(kq, "kq_quantize_act"), _addr(kq, "kq_matmul")
+            m.kq_act_bits = kernels.config().kquant_act_bits
+        self._kq_max_k = max(self.hidden, self.H * self.D, self.inter)
+        self._kq_scratch = torch.empty(0, dtype=torch.uint8)
         m.layers = ctypes.cast(self._arr, ctypes.c_void_p)
         self._kv_key: Optional[tuple] = None
         self._step = _Step()
@@ -120,6 +143,7 @@ class FusedStack:
         from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
         from pagedllm.layers.layernorm import RMSNorm
         from pagedllm.layers.quantization import cpu_kernels as int4_kernels
+        from pagedllm.layers.quantization import kquant
         from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
         if get_tp_size() > 1 or get_pp_size() > 1:
@@ -156,12 +180,13 @@ class FusedStack:
         backends = {m.backend for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)
                     if _linear_kind(m) == 0}
+        kq = kquant.get_lib() if 2 in kinds else None
         if cpu is None or lib is None or len(backends) > 1 or (
-                1 in kinds and (int4 is None or not int4_kernels.int4_gemv_supported())):
+                1 in kinds and (int4 is None or not int4_kernels.int4_gemv_supported())) or (2 in kinds and kq is None):
             return None
         prefill_ok = (kernels.config().amx_attention and a0.head_dim % 32 == 0
                       and a0.head_dim <= 128 and amx is not None)
-        return cls(model, lib, cpu, amx, int4, prefill_ok)
+        return cls(model, lib, cpu, amx, int4, prefill_ok, kq)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
         key = tuple(kv.data_ptr() for kv in kv_caches)
@@ -197,6 +222,8 @@ class FusedStack:
         T = x.shape[0]
         if self.any_int4 and (T > self.int4_max_tokens if self.int4_max_tokens is not None else meta.prefills):
             return None
+        if self.any_kq and meta.prefills:
+            return None
         s = self._step
         s.T, s.x, s.cs, s.cs_stride, s.slots = T, x.data_ptr(), cos.data_ptr(), cos.stride(0), slots.data_ptr()
         if dec is not None:
@@ -221,5 +248,10 @@ class FusedStack:
         if self._scratch.numel() < need:  # kept across steps: a prefill step's ~17 MB would be new pages each time
             self._scratch = torch.empty(need, dtype=torch.bfloat16)
         s.x_out, s.res_out, s.scratch = x_out.data_ptr(), res_out.data_ptr(), self._scratch.data_ptr()
+        if self.any_kq:  # the quantized activations: hi, lo [T, k] int8, xs, xs * sum [T, k / 32], sums [T, k / 16]
+            kq_need = 5 * T * self._kq_max_k // 2
+            if self._kq_scratch.numel() < kq_need:
+                self._kq_scratch = torch.empty(kq_need, dtype=torch.uint8)
+            s.kq_scratch = self._kq_scratch.data_ptr()
         self._lib.stack_forward(ctypes.addressof(self._model), ctypes.addressof(s))
         return x_out, res_out

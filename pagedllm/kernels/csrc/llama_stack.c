@@ -4,13 +4,14 @@
  * layer); through Python each costs ~10-20 us of dispatch, argument conversion and output allocation, which is
  * several ms of a 15-35 ms step. Here the same kernels run in the same order on the same data, called through
  * function pointers (the libraries that define them are built separately: amx_linear.c or another linear backend,
- * cpu_ops.c, paged_decode.c, amx_attention.c, int4_cpu.c), so the result equals the Python path bit for bit.
+ * cpu_ops.c, paged_decode.c, amx_attention.c, int4_cpu.c, kquant_cpu.c), so the result equals the Python path bit
+ * for bit.
  *
  * Per layer (pre-norm block; `res` is the residual stream):
  *   xn = rms(x + res) (first layer: rms(x), res = x); qkv = xn W_qkv^T (+ b); RoPE on q, k in place, K and V into
  *   the paged cache; attn = decode attention for the decode rows, AMX prefill attention for the prefill slices;
- *   o = attn W_o^T (+ b); xn = rms(o + res); act = silu(gate) * up (one AMX call, or the int4 GEMV then
- *   silu_mul); x = act W_down^T (+ b).
+ *   o = attn W_o^T (+ b); xn = rms(o + res); act = silu(gate) * up (one AMX call, or the int4 GEMV / the K-quant
+ *   matmul then silu_mul); x = act W_down^T (+ b).
  * The last layer's x and res go back to the caller for the final norm. No allocation: `scratch` holds the
  * activations. Layouts are the Python path's (see the kernels' own comments); all bf16 unless noted.
  */
@@ -27,9 +28,18 @@ typedef __typeof__(&paged_decode_bf16) decode_fn;
 typedef __typeof__(&int4_gemv_bf16) int4_fn;
 typedef __typeof__(&silu_mul_bf16) silu_mul_fn;
 typedef __typeof__(&amx_prefill_attention_bf16) prefill_fn;
+typedef __typeof__(&kq_quantize_act) kq_quant_fn;
+typedef __typeof__(&kq_matmul) kq_matmul_fn;
+
+/* One shard of a kind 2 linear: `rows` output rows of the tiled K-quant weight w (kq_pack) of ggml type `type`. */
+typedef struct {
+    int64_t type, rows;
+    const uint8_t *w;
+} stack_kq_shard_t;
 
 /* One linear layer: kind 0 = packed for the AMX kernel (w, fp32 bias or NULL); kind 1 = int4 groups for
- * int4_gemv_bf16 (w = packed codes, sz = scales and zeros, group, n_pad rows packed, no bias). */
+ * int4_gemv_bf16 (w = packed codes, sz = scales and zeros, group, n_pad rows packed, no bias); kind 2 = GGUF K-quant
+ * shards for kq_matmul (w = stack_kq_shard_t[group], their columns side by side; sz = a bf16 bias or NULL). */
 typedef struct {
     int64_t kind;
     const void *w, *sz;
@@ -53,7 +63,10 @@ typedef struct stack_model {
     decode_fn decode;
     prefill_fn prefill;
     int4_fn int4;          /* kind 1 linears */
-    silu_mul_fn silu_mul;  /* after a kind 1 gate_up */
+    silu_mul_fn silu_mul;  /* after a kind 1 or 2 gate_up */
+    kq_quant_fn kq_quant;  /* kind 2 linears: kquant_cpu.c's quantizer and matmul */
+    kq_matmul_fn kq_matmul;
+    int64_t kq_act_bits;   /* the activations' width (KernelConfig.kquant_act_bits: these steps are decode rows) */
     const stack_layer_t *layers;
 } stack_model_t;
 
@@ -70,6 +83,7 @@ typedef struct stack_step {
     const int64_t *pre_bt, *pre_q_starts, *pre_q_lens, *pre_seq_lens;
     uint16_t *pre_ws;                   /* the prefill kernel's V^T workspace */
     uint16_t *scratch;                  /* stack_scratch_elems(model, T) bf16 */
+    uint8_t *kq_scratch;                /* kind 2 linears: 5 T max(hidden, H D, inter) / 2 bytes (the quantized x) */
 } stack_step_t;
 
 /* bf16 elements of scratch a step of T tokens needs. */
@@ -79,12 +93,50 @@ int64_t stack_scratch_elems(const stack_model_t *m, int64_t T) {
 }
 
 /* out [T, n] = x [T, k] W^T through the layer's kernel; mode: the AMX kernel's (0 plain, 2 gated silu * up). */
+static inline uint16_t bf16_round(float f) { /* round to nearest even, as torch's bf16 ops (finite inputs) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The Python path of a K-quant QuantLinear (kquant_linear on decode rows, then `y + bias` in bf16): x quantized
+ * once, each shard's kq_matmul writing its columns of out in bf16, the bias added as torch adds two bf16 tensors. */
+static void run_kquant(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
+                       int64_t n, uint16_t *out, uint8_t *buf) {
+    int8_t *xhi = (int8_t *)buf, *xlo = xhi + T * k;
+    float *xs = (float *)(xlo + T * k), *xsum = xs + T * (k / 32);
+    int32_t *isum = (int32_t *)(xsum + T * (k / 32));
+    m->kq_quant(x, T, k, 1, xhi, xlo, xs, xsum, isum, (int)m->kq_act_bits);
+    const stack_kq_shard_t *sh = (const stack_kq_shard_t *)L->w;
+    int64_t col = 0;
+    for (int64_t i = 0; i < L->group; i++) {
+        m->kq_matmul((int)sh[i].type, sh[i].w, sh[i].rows, k, xhi, xlo, xs, xsum, isum, T, out + col, n, 1,
+                     m->kq_act_bits == 8);
+        col += sh[i].rows;
+    }
+    const uint16_t *b = (const uint16_t *)L->sz;
+    if (b)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < n; j++) out[t * n + j] = bf16_round(bf16_float(out[t * n + j]) + bf16_float(b[j]));
+}
+
 static void run_linear(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
-                       int64_t n, uint16_t *out, int mode) {
+                       int64_t n, uint16_t *out, int mode, uint8_t *kq_buf) {
     if (L->kind == 0)
         m->linear(x, T, k, (const uint16_t *)L->w, n, L->bias, out, mode);
-    else
+    else if (L->kind == 1)
         m->int4(x, T, k, (const uint8_t *)L->w, (const uint16_t *)L->sz, L->group, L->n_pad, n, out);
+    else
+        run_kquant(m, L, x, T, k, n, out, kq_buf);
 }
 
 void stack_forward(const stack_model_t *m, const stack_step_t *s) {
@@ -99,7 +151,7 @@ void stack_forward(const stack_model_t *m, const stack_step_t *s) {
         } else {
             m->rms(x, res, L->ln_in, xn, res, T, Hd, m->eps);
         }
-        run_linear(m, &L->qkv, xn, T, Hd, qkv_n, qkv, 0);
+        run_linear(m, &L->qkv, xn, T, Hd, qkv_n, qkv, 0, s->kq_scratch);
         m->rope(qkv, qkv_n, s->cs, s->cs_stride, L->k_cache, L->v_cache, s->slots, T, (int)m->H, (int)m->KVH,
                 (int)m->D);
         if (s->n_dec)
@@ -109,15 +161,15 @@ void stack_forward(const stack_model_t *m, const stack_step_t *s) {
             m->prefill(qkv, qkv_n, L->k_cache, L->v_cache, s->pre_bt, s->pre_max_blocks, s->pre_q_starts,
                        s->pre_q_lens, s->pre_seq_lens, (int)s->n_pre, attn, (int)m->H, (int)m->KVH, (int)m->D,
                        (int)m->BS, m->scale, (int)L->window, s->pre_ws);
-        run_linear(m, &L->o, attn, T, q_n, Hd, o, 0);
+        run_linear(m, &L->o, attn, T, q_n, Hd, o, 0, s->kq_scratch);
         m->rms(o, res, L->ln_post, xn, res, T, Hd, m->eps);
         if (L->gate_up.kind == 0) { /* silu(gate) * up out of the matmul's epilogue */
-            run_linear(m, &L->gate_up, xn, T, Hd, 2 * m->inter, act, 2);
+            run_linear(m, &L->gate_up, xn, T, Hd, 2 * m->inter, act, 2, s->kq_scratch);
         } else {
             uint16_t *gu = act + T * m->inter; /* [T, 2 * inter], gate first */
-            run_linear(m, &L->gate_up, xn, T, Hd, 2 * m->inter, gu, 0);
+            run_linear(m, &L->gate_up, xn, T, Hd, 2 * m->inter, gu, 0, s->kq_scratch);
             m->silu_mul(gu, act, T, m->inter);
         }
-        run_linear(m, &L->down, act, T, m->inter, Hd, x, 0);
+        run_linear(m, &L->down, act, T, m->inter, Hd, x, 0, s->kq_scratch);
     }
 }
