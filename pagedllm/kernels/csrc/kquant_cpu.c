@@ -11,7 +11,7 @@
  * (super-)blocks in K order. Within a tile's block, the codes of a group of 32 inputs are "chunk vectors" of 64 bytes:
  * byte 4 r + e of chunk c is row r's code of input 4 c + e (r < 16, e < 4), i.e. one 32-bit lane per row holding
  * 4 consecutive inputs: the layout of vpdpbusd against one broadcast 32-bit word of activations (AVX2 without VNNI
- * widens a chunk's bytes to two int16 vectors for vpmaddwd, see kq_tile_pw).
+ * widens a chunk's bytes to two int16 vectors for vpmaddwd, see kq_dots_pw).
  * Per group: 4-bit codes as 4 vectors (low nibble: chunk v, high nibble: chunk v + 4), Q5's fifth bits as one
  * vector (bit c of byte 4 r + e: chunk c), Q6_K's two high bits as two vectors (chunk 4 h + c' in vector h, bits
  * 2 c', 2 c' + 1), Q8_0's int8 codes as 8 vectors. Per block: the f16 d (and dmin) of the 16 rows side by side,
@@ -27,7 +27,7 @@
  * Rounding error: |x - xs xq| <= 0.504 xs = max|x| / 32256 per element (about 2^-15 of the block's largest |x|),
  * the only approximation besides float32 arithmetic; it is far below a bf16 rounding (2^-9).
  * 8-bit activations (act_bits 8; by default prefill rows): xq = 128 k with k = rint(127 x / max|x|), so lo = 0 and
- * the kernels skip it (one vpdpbusd per chunk instead of two; on AVX2 vpmaddubsw with int16 sums, kq_tile_ub): the
+ * the kernels skip it (one vpdpbusd per chunk instead of two; on AVX2 vpmaddubsw with int16 sums, kq_dots_ub): the
  * same arithmetic on coarser activations, error <= max|x| / 254 per element.
  *
  * Per row and group of 32 (Q6_K: of 16) inputs the exact int32 dot of codes and xq, minus the integer offset
@@ -535,7 +535,7 @@ static inline __attribute__((always_inline)) void kq_group_fma(const int T, cons
 static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const int MR, const int A8,
                                                               const uint8_t *tile, int l0, const kq_act *a, int64_t m0,
                                                               float res[4][KQ_R]) {
-    const int64_t K = a->K, nb32 = K / 32;
+    const int64_t K = a->K;
     const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
     const int64_t tb = kq_tbytes(T);
     const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
@@ -597,95 +597,108 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
  * pair and vphaddd of the two accumulators gives the rows' dots back in lane order (Q8_0's signed codes are
  * sign-extended, so its dot needs no +128 offset). |code| <= 128 and |xq| <= 16256, so
  * a group's int32 sums are exact (< 2^27) and equal kq_tile_vec's; the float epilogue is the same code and order. */
-static inline __attribute__((always_inline)) void kq_tile_pw(const int T, const int MR, const uint8_t *tile, int l0,
-                                                             const kq_act *a, int64_t m0, float res[4][KQ_R]) {
-    const int64_t K = a->K, nb32 = K / 32;
-    const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T), no = kq_nib_off(T);
-    const int64_t tb = kq_tbytes(T);
-    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
+static inline __attribute__((always_inline)) void kq_dots_pw(const int T, const int MR, const uint8_t *g,
+                                                             const kq_act *a, int64_t m0, int64_t gi, VI dq[2][4]) {
+    const int64_t K = a->K;
+    const int no = kq_nib_off(T);
     const VI m4 = VSET8(0x0F), zero = VZERO;
-    VF acc[4], sacc[4];
-    for (int r = 0; r < MR; r++) acc[r] = sacc[r] = VZEROF;
-    for (int64_t sb = 0; sb < K / qk; sb++) {
-        const uint8_t *h = tile + sb * tb;
-        const VF dv = VF16(h + 2 * l0);
-        const VF dmv = kmin ? VF16(h + 32 + 2 * l0) : VZEROF;
-        for (int j = 0; j < ng; j++) {
-            const uint8_t *g = h + hb + j * gb + 4 * l0;
-            const int64_t gi = sb * ng + j;
-            if (l0 == 0)
-                for (int pl = 0; pl < gb; pl += 64)
-                    _mm_prefetch((const char *)(h + hb + j * gb + KQ_PREFETCH + pl), _MM_HINT_T0);
-            VF A0, A1, B;
-            kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
-            /* Q6_K scales each half group on its own: chunks 0..3, then 4..7; the others sum all 8 at once */
-            const int nh = T == KQ_Q6_K ? 2 : 1, cpp = 8 / nh;
-            VI dq[2][4];
+    /* Q6_K scales each half group on its own: chunks 0..3, then 4..7; the others sum all 8 at once */
+    const int nh = T == KQ_Q6_K ? 2 : 1, cpp = 8 / nh;
 #pragma GCC unroll 2
-            for (int hh = 0; hh < nh; hh++) {
-                VI al[4], ah[4];
-                for (int r = 0; r < MR; r++) al[r] = ah[r] = zero;
+    for (int hh = 0; hh < nh; hh++) {
+        VI al[4], ah[4];
+        for (int r = 0; r < MR; r++) al[r] = ah[r] = zero;
 #pragma GCC unroll 8
-                for (int cc = 0; cc < cpp; cc++) {
-                    const int c = hh * cpp + cc, v = c & 3;
-                    VI cv, lo, hi;
-                    if (T == KQ_Q8_0) { /* signed codes: sign-extended to int16 */
-                        cv = VLOAD(g + 64 * c);
-                        const VI sg = _mm256_cmpgt_epi8(zero, cv);
-                        lo = _mm256_unpacklo_epi8(cv, sg);
-                        hi = _mm256_unpackhi_epi8(cv, sg);
-                    } else {
-                        const VI nib = VLOAD(g + no + 64 * v);
-                        cv = c < 4 ? VAND(nib, m4) : VAND(VSRL16(nib, 4), m4);
-                        if (T == KQ_Q5_0 || T == KQ_Q5_K) {
-                            const VI qh = VLOAD(g), b4 = VSET8(0x10);
-                            const VI bit = c < 4 ? VSLL16(qh, 4 - c) : c == 4 ? qh : VSRL16(qh, c - 4);
-                            cv = VOR(cv, VAND(bit, b4));
-                        } else if (T == KQ_Q6_K) {
-                            const VI q = VLOAD(g + 64 * (c >> 2)), b45 = VSET8(0x30);
-                            const int sh = 4 - 2 * (c & 3); /* 4, 2, 0, -2 */
-                            const VI bits = sh > 0 ? VSLL16(q, sh) : sh == 0 ? q : VSRL16(q, -sh);
-                            cv = VOR(cv, VAND(bits, b45));
-                        }
-                        lo = _mm256_unpacklo_epi8(cv, zero);
-                        hi = _mm256_unpackhi_epi8(cv, zero);
-                    }
-                    for (int r = 0; r < MR; r++) {
-                        int64_t xv;
-                        memcpy(&xv, a->xq16 + (m0 + r) * K + 32 * gi + 4 * c, 8);
-                        const VI xb = _mm256_set1_epi64x(xv);
-                        al[r] = VADD32(al[r], _mm256_madd_epi16(lo, xb));
-                        ah[r] = VADD32(ah[r], _mm256_madd_epi16(hi, xb));
-                        /* keeps each sum a register chain: else gcc reassociates the unrolled sums into a tree
-                         * of products parked on the stack (measured 1.5x slower) */
-                        __asm__("" : "+x"(al[r]), "+x"(ah[r]));
-                    }
+        for (int cc = 0; cc < cpp; cc++) {
+            const int c = hh * cpp + cc, v = c & 3;
+            VI cv, lo, hi;
+            if (T == KQ_Q8_0) { /* signed codes: sign-extended to int16 */
+                cv = VLOAD(g + 64 * c);
+                const VI sg = _mm256_cmpgt_epi8(zero, cv);
+                lo = _mm256_unpacklo_epi8(cv, sg);
+                hi = _mm256_unpackhi_epi8(cv, sg);
+            } else {
+                const VI nib = VLOAD(g + no + 64 * v);
+                cv = c < 4 ? VAND(nib, m4) : VAND(VSRL16(nib, 4), m4);
+                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
+                    const VI qh = VLOAD(g), b4 = VSET8(0x10);
+                    const VI bit = c < 4 ? VSLL16(qh, 4 - c) : c == 4 ? qh : VSRL16(qh, c - 4);
+                    cv = VOR(cv, VAND(bit, b4));
+                } else if (T == KQ_Q6_K) {
+                    const VI q = VLOAD(g + 64 * (c >> 2)), b45 = VSET8(0x30);
+                    const int sh = 4 - 2 * (c & 3); /* 4, 2, 0, -2 */
+                    const VI bits = sh > 0 ? VSLL16(q, sh) : sh == 0 ? q : VSRL16(q, -sh);
+                    cv = VOR(cv, VAND(bits, b45));
                 }
-                for (int r = 0; r < MR; r++) dq[hh][r] = _mm256_hadd_epi32(al[r], ah[r]);
+                lo = _mm256_unpacklo_epi8(cv, zero);
+                hi = _mm256_unpackhi_epi8(cv, zero);
             }
-            kq_group_fma(T, MR, 0, dq, A0, A1, B, a, m0, gi, acc, sacc);
+            for (int r = 0; r < MR; r++) {
+                int64_t xv;
+                memcpy(&xv, a->xq16 + (m0 + r) * K + 32 * gi + 4 * c, 8);
+                const VI xb = _mm256_set1_epi64x(xv);
+                al[r] = VADD32(al[r], _mm256_madd_epi16(lo, xb));
+                ah[r] = VADD32(ah[r], _mm256_madd_epi16(hi, xb));
+                /* keeps each sum a register chain: else gcc reassociates the unrolled sums into a tree
+                 * of products parked on the stack (measured 1.5x slower) */
+                __asm__("" : "+x"(al[r]), "+x"(ah[r]));
+            }
         }
+        for (int r = 0; r < MR; r++) dq[hh][r] = _mm256_hadd_epi32(al[r], ah[r]);
     }
-    for (int r = 0; r < MR; r++) VSTOREF(res[r] + l0, kmin ? VSUBF(acc[r], sacc[r]) : acc[r]);
 }
 
 /* AVX2 without VNNI, 8-bit activations (kq_quantize_act's act_bits 8: lo = 0, xq = 128 hi): vpmaddubsw of each chunk's
  * unsigned codes against 4 broadcast bytes of hi gives 16 int16 pair sums in row order (no widening, no vphaddd),
  * summed in int16 over as many chunks as can't overflow (2 * 127 * max code per chunk: Q4_K 8 chunks, Q5 4, Q6_K 2;
  * Q8_0 1, its signed codes as |q| against sign(hi, q)), then one vpmaddwd against ones per run into int32. The
- * group's dot times 128 is exactly kq_tile_pw's (and the scalar path's) integer, and the float epilogue is the same
+ * group's dot times 128 is exactly kq_dots_pw's (and the scalar path's) integer, and the float epilogue is the same
  * code, so the bits are equal. EPYC Zen 3, one thread, a 256 x 1536 weight in L2, 1 row: Q4_K 22.5 -> 38.7 GMAC/s
- * against kq_tile_pw on the same activations, Q5_0 1.5x, Q8_0 1.25x, Q5_K / Q6_K 1.17x (their code unpacking
+ * against kq_dots_pw on the same activations, Q5_0 1.5x, Q8_0 1.25x, Q5_K / Q6_K 1.17x (their code unpacking
  * dominates); 4 rows 1.0-1.4x. */
-static inline __attribute__((always_inline)) void kq_tile_ub(const int T, const int MR, const uint8_t *tile, int l0,
-                                                             const kq_act *a, int64_t m0, float res[4][KQ_R]) {
-    const int64_t K = a->K, nb32 = K / 32;
-    const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
-    const int64_t tb = kq_tbytes(T);
-    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
+static inline __attribute__((always_inline)) void kq_dots_ub(const int T, const int MR, const uint8_t *g,
+                                                             const kq_act *a, int64_t m0, int64_t gi, VI dq[2][4]) {
+    const int64_t K = a->K;
     /* chunks per int16 run: 2 * 127 * max code * run <= 32767 */
     const int run = T == KQ_Q4_K ? 8 : (T == KQ_Q5_K || T == KQ_Q5_0) ? 4 : T == KQ_Q6_K ? 2 : 1;
     const VI ones = _mm256_set1_epi16(1);
+    VI cv[8];
+    if (T == KQ_Q8_0) {
+        for (int c = 0; c < 8; c++) cv[c] = VLOAD(g + 64 * c);
+    } else {
+        kq_unpack_codes(T, g, cv);
+    }
+    for (int r = 0; r < MR; r++) {
+        const int8_t *xh = a->xhi + (m0 + r) * K + 32 * gi;
+        VI s32[2] = {VZERO, VZERO}, s16 = VZERO;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const VI xb = VSET32(kq_ld32(xh + 4 * c));
+            VI p;
+            if (T == KQ_Q8_0)
+                p = _mm256_maddubs_epi16(_mm256_abs_epi8(cv[c]), _mm256_sign_epi8(xb, cv[c]));
+            else
+                p = _mm256_maddubs_epi16(cv[c], xb);
+            s16 = (c % run == 0) ? p : _mm256_add_epi16(s16, p);
+            if (c % run == run - 1) {
+                const int hh = T == KQ_Q6_K ? c / 4 : 0;
+                s32[hh] = VADD32(s32[hh], _mm256_madd_epi16(s16, ones));
+            }
+        }
+        dq[0][r] = VSLL32(s32[0], 7);
+        dq[1][r] = VSLL32(s32[1], 7);
+    }
+}
+
+/* AVX2 without VNNI: lanes l0 .. l0 + 7 of a tile for rows m0 .., each group's dots by kq_dots_ub (A8: 8-bit
+ * activations) or kq_dots_pw, then the shared epilogue. */
+static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, const int MR, const int A8,
+                                                               const uint8_t *tile, int l0, const kq_act *a,
+                                                               int64_t m0, float res[4][KQ_R]) {
+    const int64_t K = a->K;
+    const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
+    const int64_t tb = kq_tbytes(T);
+    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
     VF acc[4], sacc[4];
     for (int r = 0; r < MR; r++) acc[r] = sacc[r] = VZEROF;
     for (int64_t sb = 0; sb < K / qk; sb++) {
@@ -700,33 +713,9 @@ static inline __attribute__((always_inline)) void kq_tile_ub(const int T, const 
                     _mm_prefetch((const char *)(h + hb + j * gb + KQ_PREFETCH + pl), _MM_HINT_T0);
             VF A0, A1, B;
             kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
-            VI cv[8];
-            if (T == KQ_Q8_0) {
-                for (int c = 0; c < 8; c++) cv[c] = VLOAD(g + 64 * c);
-            } else {
-                kq_unpack_codes(T, g, cv);
-            }
             VI dq[2][4];
-            for (int r = 0; r < MR; r++) {
-                const int8_t *xh = a->xhi + (m0 + r) * K + 32 * gi;
-                VI s32[2] = {VZERO, VZERO}, s16 = VZERO;
-#pragma GCC unroll 8
-                for (int c = 0; c < 8; c++) {
-                    const VI xb = VSET32(kq_ld32(xh + 4 * c));
-                    VI p;
-                    if (T == KQ_Q8_0)
-                        p = _mm256_maddubs_epi16(_mm256_abs_epi8(cv[c]), _mm256_sign_epi8(xb, cv[c]));
-                    else
-                        p = _mm256_maddubs_epi16(cv[c], xb);
-                    s16 = (c % run == 0) ? p : _mm256_add_epi16(s16, p);
-                    if (c % run == run - 1) {
-                        const int hh = T == KQ_Q6_K ? c / 4 : 0;
-                        s32[hh] = VADD32(s32[hh], _mm256_madd_epi16(s16, ones));
-                    }
-                }
-                dq[0][r] = VSLL32(s32[0], 7);
-                dq[1][r] = VSLL32(s32[1], 7);
-            }
+            if (A8) kq_dots_ub(T, MR, g, a, m0, gi, dq);
+            else kq_dots_pw(T, MR, g, a, m0, gi, dq);
             kq_group_fma(T, MR, 0, dq, A0, A1, B, a, m0, gi, acc, sacc);
         }
     }
@@ -789,8 +778,7 @@ static inline __attribute__((always_inline)) void kq_tile(const int T, const int
                                                           const kq_act *a, int64_t m0, float res[4][KQ_R]) {
 #if KQ_ISA == 1
     for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) {
-        if (A8) kq_tile_ub(T, MR, tile, l0, a, m0, res);
-        else kq_tile_pw(T, MR, tile, l0, a, m0, res);
+        kq_tile_avx2(T, MR, A8, tile, l0, a, m0, res);
     }
 #elif KQ_ISA >= 2
     for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) kq_tile_vec(T, MR, A8, tile, l0, a, m0, res);
