@@ -17,6 +17,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "bf16.h"
 #include "pagedllm_kernels.h"
 
 /* The kernels are called through pointers of their own prototypes (pagedllm_kernels.h); a backend with the same
@@ -92,22 +93,6 @@ int64_t stack_scratch_elems(const stack_model_t *m, int64_t T) {
     return T * (2 * m->hidden + qkv + m->H * m->D + 3 * m->inter);
 }
 
-/* out [T, n] = x [T, k] W^T through the layer's kernel; mode: the AMX kernel's (0 plain, 2 gated silu * up). */
-static inline uint16_t bf16_round(float f) { /* round to nearest even, as torch's bf16 ops (finite inputs) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_float(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* The Python path of a K-quant QuantLinear (kquant_linear on decode rows, then `y + bias` in bf16): x quantized
  * once, each shard's kq_matmul writing its columns of out in bf16, the bias added as torch adds two bf16 tensors. */
 static void run_kquant(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
@@ -126,9 +111,10 @@ static void run_kquant(const stack_model_t *m, const stack_linear_t *L, const ui
     const uint16_t *b = (const uint16_t *)L->sz;
     if (b)
         for (int64_t t = 0; t < T; t++)
-            for (int64_t j = 0; j < n; j++) out[t * n + j] = bf16_round(bf16_float(out[t * n + j]) + bf16_float(b[j]));
+            for (int64_t j = 0; j < n; j++) out[t * n + j] = f32_to_bf16(bf16_to_f32(out[t * n + j]) + bf16_to_f32(b[j]));
 }
 
+/* out [T, n] = x [T, k] W^T through the layer's kernel; mode: the AMX kernel's (0 plain, 2 gated silu * up). */
 static void run_linear(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
                        int64_t n, uint16_t *out, int mode, uint8_t *kq_buf) {
     if (L->kind == 0)
