@@ -189,3 +189,40 @@ def test_draft_steps_stop_at_each_requests_adaptive_share(tiny_pair):
     assert any(lim < 5 for lim, _ in seen), "no request ever got a smaller share"
     assert any(0 < n < 5 for _, n in seen), "no proposal was cut short"
     assert all(n <= lim for lim, n in seen)
+
+
+def test_catch_up_skips_the_accepted_drafts_kv(tiny_pair):
+    """The draft steps leave their K/V in the request's blocks, so the next catch-up forward starts after the
+    drafts the target accepted (``DraftModelDrafter._first_to_compute``): with the target's copy drafting (every
+    draft accepted) the draft computes far fewer rows than when every catch-up starts at the step's first token,
+    with the same output and the same acceptance (the K/V it keeps is the right one)."""
+    llm, _, same = tiny_pair
+    prompts = _prompts()[:2]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = _outputs(llm, prompts, sp)
+    runs = {}
+    for skip in (True, False):
+        eng = llm.with_engine_args(speculative_config=_spec(same), block_size=16)
+        drafter = eng.llm_engine.engine_core.runner.drafter
+        rows = []
+        forward = drafter.draft.forward
+
+        def counted(ids, *args, **kwargs):
+            rows.append(ids.shape[0])
+            return forward(ids, *args, **kwargs)
+
+        drafter.draft.forward = counted
+        if not skip:
+            drafter._first_to_compute = lambda st, toks, start, end: start
+        try:
+            assert _outputs(eng, prompts, sp) == ref, skip
+        finally:
+            del drafter.draft.forward
+            drafter.__dict__.pop("_first_to_compute", None)
+        st = eng.llm_engine.engine_core.scheduler.spec_stats
+        assert st.num_accepted_tokens > 0.9 * st.num_draft_tokens, (skip, st)
+        runs[skip] = (sum(rows), st.num_draft_tokens)
+    (with_skip, drafted), (without, drafted_too) = runs[True], runs[False]
+    assert drafted == drafted_too > 40
+    # per verify step of 4 accepted drafts: 2 catch-up rows instead of 6 (plus the prompts' rows, the same)
+    assert with_skip < without - drafted // 2, runs

@@ -12,8 +12,10 @@ request holds the draft's K/V of the same tokens (a prefix-cache hit is also one
 request that drafts, its new token, whose logits give the first draft token: the catch-up and the first draft step
 in one forward), then ``k - 1`` greedy decode steps for the requests that draft. Their K/V go to the request's own
 blocks where it has them and past its last block into scratch blocks (``scratch_blocks_per_row`` per drafting row,
-after the target's ``num_blocks``); the next step's catch-up rewrites those positions in the target's blocks. ``determine_num_blocks`` counts the draft's bytes per block and
-its scratch blocks inside the KV budget (``draft_kv_bytes``).
+after the target's ``num_blocks``); the next step's catch-up rewrites those positions in the target's blocks, and
+skips the accepted drafts whose K/V is in those blocks already (``CachedRequestState.draft_kv``).
+``determine_num_blocks`` counts the draft's bytes per block and its scratch blocks inside the KV budget
+(``draft_kv_bytes``).
 
 Exactness never rests on the draft: a draft token is kept only when the target samples it itself
 (``spec_decode/verify.py``), so a stale or wrong draft K/V only costs acceptance.
@@ -110,6 +112,22 @@ class DraftModelDrafter:
                                     self.block_size, dtype, runner.device)
         self.kv_caches = [caches[s] for s in layout.layer_slot]
 
+    def _first_to_compute(self, st, toks: Sequence[int], start: int, end: int) -> int:
+        """The first of a request's positions ``[start, end)`` the draft computes this step. Where the last step
+        drafted for it, the draft's K/V of that step's new token and of its draft tokens is in the request's blocks
+        already (``st.draft_kv``); of them, that new token's and those of the drafts this step accepted (``toks``
+        but its last token) hold the right tokens, so rows start after them: a fully accepted draft of ``k``
+        costs 2 rows instead of ``k + 2``, a rejected one 1. The same blocks must still hold them (not after a
+        preemption), and one row is always computed."""
+        rec = st.draft_kv
+        if rec is None or not toks or rec[0] != start:
+            return start
+        first, kv_end, blocks = rec
+        b0 = first // self.block_size
+        if tuple(st.block_ids[b0:b0 + len(blocks)]) != blocks:
+            return start
+        return max(start, min(kv_end, start + len(toks), end - 1))
+
     def propose(self, states: Sequence, sampled: Sequence[Sequence[int]], starts: Sequence[int],
                 query_lens: Sequence[int], limits: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Catches the draft's KV up with this step's tokens and drafts ``k`` greedy tokens (``limits[i]`` for
@@ -137,7 +155,8 @@ class DraftModelDrafter:
                 zip(states, sampled, starts, query_lens)]
         for i in idx:
             ends[i] += 1
-        qd = [e - s for e, s in zip(ends, starts)]
+        firsts = [self._first_to_compute(st, toks, s, e) for st, toks, s, e in zip(states, sampled, starts, ends)]
+        qd = [e - s for e, s in zip(ends, firsts)]
         width = max(len(st.block_ids) for st in states) + self.scratch
         bt_np = np.zeros((n_all, width), dtype=np.int64)
         for i, st in enumerate(states):
@@ -149,15 +168,17 @@ class DraftModelDrafter:
         block_tables = torch.from_numpy(bt_np)
         q_arr = np.asarray(qd, dtype=np.int64)
         req_np = np.repeat(np.arange(n_all, dtype=np.int64), q_arr)
-        pos_np = np.repeat(np.asarray(starts, dtype=np.int64), q_arr) + (
+        pos_np = np.repeat(np.asarray(firsts, dtype=np.int64), q_arr) + (
             np.arange(int(q_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(q_arr) - q_arr, q_arr))
-        ids = [t for st, s, e in zip(states, starts, ends) for t in st.token_ids[s:e]]
+        ids = [t for st, s, e in zip(states, firsts, ends) for t in st.token_ids[s:e]]
         slots = torch.from_numpy(bt_np[req_np, pos_np // bs] * bs + pos_np % bs)
         small = [q <= self.k + 2 for q in qd]  # a decode or a speculating request's few rows: decode kernels
         meta = build_attention_metadata(qd, ends, block_tables, slots, bs, self.sliding_window, small)
         with step_rows(qd, small):
             hidden = self.draft(torch.tensor(ids, dtype=torch.int64), torch.from_numpy(pos_np), self.kv_caches,
                                 meta)
+        for st in states:
+            st.draft_kv = None
         if not idx:
             return out
         n = len(idx)
@@ -189,6 +210,11 @@ class DraftModelDrafter:
             drafts.append(tokens)
         if drafts:
             mats.append((alive, torch.stack(drafts, dim=1)))
+        for j, i in enumerate(idx):  # the K/V this step left in the request's own blocks: its new token's, its drafts'
+            st, first = states[i], ends[i] - 1
+            end = min(ends[i] + int(lim[j]) - 1, len(st.block_ids) * bs)
+            if end > first:
+                st.draft_kv = (first, end, tuple(st.block_ids[first // bs:(end + bs - 1) // bs]))
         for rows_, mat in mats:  # a row's tokens: its pieces of every run it was in, in order
             for j, toks in zip(rows_.tolist(), mat.tolist()):
                 out[idx[j]].extend(toks)

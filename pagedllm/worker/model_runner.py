@@ -52,6 +52,9 @@ class CachedRequestState:
     # Prompt positions whose logprobs were already returned (survives preemption: never repeated).
     num_prompt_logprobs_done: int = 0
     sampler_state: Optional[SamplerRequestState] = field(default=None, repr=False)
+    # A model drafter's record of the draft K/V it left in this request's blocks (``DraftModelDrafter``): None, or
+    # (first position, end position, the block ids holding them); cleared on preemption.
+    draft_kv: Optional[tuple[int, int, tuple[int, ...]]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.sampler_state = SamplerRequestState(
@@ -181,6 +184,7 @@ class ModelRunner:
             group_ids = sched.new_group_block_ids.get(cr.req_id) if self.num_groups > 1 else None
             if cr.resumed_from_preemption:
                 st.block_ids = list(cr.new_block_ids)
+                st.draft_kv = None
                 if self.num_groups > 1:
                     st.group_block_ids = [list(ids) for ids in group_ids]
                 if cr.all_token_ids is not None and len(cr.all_token_ids) != len(st.token_ids):
