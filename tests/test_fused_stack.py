@@ -152,3 +152,48 @@ def test_fused_stack_kquant_qwen_equals_python_layer_loop(monkeypatch):
             assert not calls
         del llm
     assert results["1"] == results["0"]
+
+
+@pytest.mark.skipif(not cpu_kernels.int4_gemv_supported(), reason="no int4 GEMV here (level none)")
+def test_fused_stack_int4_with_bias_equals_python_layer_loop(tmp_path_factory, monkeypatch):
+    """int4 linears with a bf16 bias (a Qwen2 model's ``self_int4`` draft: q/k/v bias, every decoder linear
+    requantized to int4): the draft's decode steps take the fused loop (the bias added after the int4 GEMV as torch
+    adds it), and its proposals, the target's tokens and logprobs equal those of the Python layer loop."""
+    from test_models import _load_pair
+
+    from pagedllm import LLM, SamplingParams
+
+    hf, _ = _load_pair("qwen2-bias", tmp_path_factory)
+    folder = str(tmp_path_factory.mktemp("fused-int4-bias"))
+    hf.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in (7, 19)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=8 << 20,
+              quantization="none", speculative_config={"method": "self_int4", "num_speculative_tokens": 3})
+    fused_hidden = []
+    orig = FusedStack.forward
+
+    def counting(self, x, *a):
+        out = orig(self, x, *a)
+        if out is not None and self.any_int4:
+            fused_hidden.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(FusedStack, "forward", counting)
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+        llm = LLM(folder, **kw)
+        drafter = llm.llm_engine.engine_core.runner.drafter
+        assert any(m.bias is not None and m.kind == "int4" for m in drafter.draft.modules()
+                   if type(m).__name__ == "QuantLinear")
+        proposals = []
+        propose = drafter.propose
+        drafter.propose = lambda *a: proposals.append(propose(*a)) or proposals[-1]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        results[fused] = ([_tokens_and_logprobs(o) for o in outs], proposals)
+        assert (len(fused_hidden) > 0) == (fused == "1")
+        fused_hidden.clear()
+    assert results["1"] == results["0"]
+    assert sum(len(p) for step in results["1"][1] for p in step) > 10

@@ -42,20 +42,21 @@ def _addr(lib: ctypes.CDLL, name: str) -> int:
 
 def _linear_kind(mod: Any) -> Optional[int]:
     """0: a ``PackedLinear`` on a packed-kernel backend; 1: an int4 ``QuantLinear`` the int4 GEMV takes as it is (no input
-    permutation, no bias, bf16 scales, group % 4 == 0); 2: a GGUF K-quant ``QuantLinear`` (tiled shards, no bias or a
-    bf16 one); None: another layer (the fused loop doesn't run)."""
+    permutation, bf16 scales, group % 4 == 0); 2: a GGUF K-quant ``QuantLinear`` (tiled shards); kinds 1 and 2 with
+    no bias or a contiguous bf16 one; None: another layer (the fused loop doesn't run)."""
     from pagedllm.layers.packed_linear import PackedLinear
     from pagedllm.layers.quantization.kernels import INT4_OURS
     from pagedllm.layers.quantization.linear import QuantLinear
 
     if type(mod) is PackedLinear:
         return 0 if mod._amx is not None else None
-    if (type(mod) is QuantLinear and mod.kind == "int4" and mod.perm is None and mod.bias is None
-            and mod.scales_and_zeros.dtype == torch.bfloat16 and mod._kernel_group % 4 == 0
-            and mod._int4_layout == INT4_OURS):
+    if type(mod) is not QuantLinear or not (
+            mod.bias is None or (mod.bias.dtype == torch.bfloat16 and mod.bias.is_contiguous())):
+        return None
+    if (mod.kind == "int4" and mod.perm is None and mod.scales_and_zeros.dtype == torch.bfloat16
+            and mod._kernel_group % 4 == 0 and mod._int4_layout == INT4_OURS):
         return 1
-    if (type(mod) is QuantLinear and mod.kind == "kquant" and all(w.is_tiled for w in mod._kq)
-            and (mod.bias is None or (mod.bias.dtype == torch.bfloat16 and mod.bias.is_contiguous()))):
+    if mod.kind == "kquant" and all(w.is_tiled for w in mod._kq):
         return 2
     return None
 
@@ -97,17 +98,18 @@ class FusedStack:
                 if _linear_kind(mod) == 0:
                     d.kind, d.w, d.bias = 0, mod._w_ptr, mod._b_ptr
                     m_linear = mod._amx
-                elif _linear_kind(mod) == 2:  # the shards side by side, the bf16 bias (or NULL) in sz
+                elif _linear_kind(mod) == 2:  # the shards side by side
                     shards = (_KqShard * len(mod._kq))(*[(int(w.ggml_type), w.rows, w.data.data_ptr())
                                                           for w in mod._kq])
                     self._keep.append(shards)
                     d.kind, d.w, d.group = 2, ctypes.addressof(shards), len(shards)
-                    d.sz = None if mod.bias is None else mod.bias.data_ptr()
                     self.any_kq = True
                 else:
                     d.kind, d.w, d.sz = 1, mod.packed.data_ptr(), mod.scales_and_zeros.data_ptr()
                     d.group, d.n_pad = mod._kernel_group, mod.packed.shape[0]
                     self.any_int4 = True
+                if d.kind:  # a bf16 bias (or NULL), added as the Python path adds it
+                    d.bias = None if mod.bias is None else mod.bias.data_ptr()
             s.ln_in = layer.input_layernorm.weight.data_ptr()
             s.ln_post = layer.post_attention_layernorm.weight.data_ptr()
             s.window = int(att.attn.sliding_window or 0)

@@ -38,13 +38,13 @@ typedef struct {
     const uint8_t *w;
 } stack_kq_shard_t;
 
-/* One linear layer: kind 0 = packed for the AMX kernel (w, fp32 bias or NULL); kind 1 = int4 groups for
- * int4_gemv_bf16 (w = packed codes, sz = scales and zeros, group, n_pad rows packed, no bias); kind 2 = GGUF K-quant
- * shards for kq_matmul (w = stack_kq_shard_t[group], their columns side by side; sz = a bf16 bias or NULL). */
+/* One linear layer: kind 0 = packed for the AMX kernel (w; bias: fp32 or NULL); kind 1 = int4 groups for
+ * int4_gemv_bf16 (w = packed codes, sz = scales and zeros, group, n_pad rows packed); kind 2 = GGUF K-quant shards
+ * for kq_matmul (w = stack_kq_shard_t[group], their columns side by side). Kinds 1 and 2: bias = bf16 or NULL. */
 typedef struct {
     int64_t kind;
     const void *w, *sz;
-    const float *bias;
+    const void *bias;
     int64_t group, n_pad;
 } stack_linear_t;
 
@@ -93,8 +93,8 @@ int64_t stack_scratch_elems(const stack_model_t *m, int64_t T) {
     return T * (2 * m->hidden + qkv + m->H * m->D + 3 * m->inter);
 }
 
-/* The Python path of a K-quant QuantLinear (kquant_linear on decode rows, then `y + bias` in bf16): x quantized
- * once, each shard's kq_matmul writing its columns of out in bf16, the bias added as torch adds two bf16 tensors. */
+/* The Python path of a K-quant QuantLinear's matmul (kquant_linear on decode rows): x quantized once, each shard's
+ * kq_matmul writing its columns of out in bf16 (run_linear adds the bias). */
 static void run_kquant(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
                        int64_t n, uint16_t *out, uint8_t *buf) {
     int8_t *xhi = (int8_t *)buf, *xlo = xhi + T * k;
@@ -108,21 +108,27 @@ static void run_kquant(const stack_model_t *m, const stack_linear_t *L, const ui
                      m->kq_act_bits == 8);
         col += sh[i].rows;
     }
-    const uint16_t *b = (const uint16_t *)L->sz;
-    if (b)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = 0; j < n; j++) out[t * n + j] = f32_to_bf16(bf16_to_f32(out[t * n + j]) + bf16_to_f32(b[j]));
+}
+
+/* out [T, n] += b [n] in bf16, as torch adds two bf16 tensors (the Python path's `y + bias`). */
+static void add_bias_bf16(uint16_t *out, const uint16_t *b, int64_t T, int64_t n) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < n; j++) out[t * n + j] = f32_to_bf16(bf16_to_f32(out[t * n + j]) + bf16_to_f32(b[j]));
 }
 
 /* out [T, n] = x [T, k] W^T through the layer's kernel; mode: the AMX kernel's (0 plain, 2 gated silu * up). */
 static void run_linear(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
                        int64_t n, uint16_t *out, int mode, uint8_t *kq_buf) {
-    if (L->kind == 0)
-        m->linear(x, T, k, (const uint16_t *)L->w, n, L->bias, out, mode);
-    else if (L->kind == 1)
+    if (L->kind == 0) {
+        m->linear(x, T, k, (const uint16_t *)L->w, n, (const float *)L->bias, out, mode);
+        return;
+    }
+    if (L->kind == 1)
         m->int4(x, T, k, (const uint8_t *)L->w, (const uint16_t *)L->sz, L->group, L->n_pad, n, out);
     else
         run_kquant(m, L, x, T, k, n, out, kq_buf);
+    if (L->bias)
+        add_bias_bf16(out, (const uint16_t *)L->bias, T, n);
 }
 
 void stack_forward(const stack_model_t *m, const stack_step_t *s) {
