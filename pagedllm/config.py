@@ -97,6 +97,9 @@ class SpeculativeConfig:
     ``layers/quantization/kernels.py``) and then more per row, so under load speculation steps aside by itself.
     ``adaptive`` (ours): each request's number of draft tokens follows its recent acceptance
     (``pagedllm.spec_decode.adaptive``); off: always as many as allowed when a proposal is that long.
+    ``cost_aware`` (ours, with ``adaptive``): the share also weighs what a draft token costs on this machine, timed
+    by the runner on single-stream steps (``adaptive.StepCosts``; one plain step in ``CALIBRATE_EVERY``), so
+    speculation turns itself off where it can't pay; off: the fixed rule (a draft pays when ``a ** k >= 0.2``).
 
     ``method`` ``draft_model``: a second, smaller model with the target's vocabulary drafts (``model``: its GGUF
     file or HF folder; vLLM infers the method when only ``model`` is given). It loads like the target (a GGUF
@@ -116,6 +119,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: Optional[int] = None
     adaptive: bool = True
+    cost_aware: bool = True
     step_token_budget: int = 8
     model: Optional[str] = None  # draft_model: the draft's GGUF file or HF folder
     quantization: Optional[str] = None  # draft_model: the draft's --quantization (None: auto)
@@ -172,9 +176,10 @@ class SpeculativeConfig:
         hi = lo if hi is None else hi
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi}).")
-        adaptive = d.get("adaptive", True)
-        if not isinstance(adaptive, bool):
-            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}.")
+        adaptive, cost_aware = d.get("adaptive", True), d.get("cost_aware", True)
+        for name, v in (("adaptive", adaptive), ("cost_aware", cost_aware)):
+            if not isinstance(v, bool):
+                raise ValueError(f"speculative_config.{name} must be true or false, got {v!r}.")
         model = d.get("model")
         if method == "draft_model":
             if not isinstance(model, str) or not model:
@@ -195,6 +200,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 here, got {dtp}.")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
                    disable_by_batch_size=int_key("disable_by_batch_size", 1, None), adaptive=adaptive,
+                   cost_aware=cost_aware,
                    step_token_budget=int_key("step_token_budget", 2, 8), model=model, quantization=quantization,
                    draft_tensor_parallel_size=dtp)
 

@@ -19,9 +19,9 @@ from pagedllm.spec_decode import adaptive
 from tests.kv_sim import EOS, KVSimRunner, check_invariants, make_request, pool_whole, run_to_end, true_output
 
 
-def spec_config(k=4, adaptive=False, disable_by_batch_size=None, step_token_budget=256):
+def spec_config(k=4, adaptive=False, disable_by_batch_size=None, step_token_budget=256, cost_aware=False):
     return SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive, disable_by_batch_size=disable_by_batch_size,
-                             step_token_budget=step_token_budget)
+                             step_token_budget=step_token_budget, cost_aware=cost_aware)
 
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True, **spec):
@@ -234,6 +234,75 @@ def test_adaptive_draft_length_follows_acceptance_and_probes_again():
         acc = adaptive.update(acc, 4, 4)
     assert adaptive.num_draft_tokens(8, acc) == 8
     assert adaptive.num_draft_tokens(8, 0.5) == 2 and adaptive.num_draft_tokens(8, 0.1) == 0
+
+
+def _rate(k: int, a: float, cost: float) -> float:
+    """Expected tokens per unit of time with ``k`` drafts, brute force: the chance that exactly ``j`` drafts are
+    accepted, times the ``j + 1`` tokens that gives, over the step's cost."""
+    tokens = sum((j + 1) * a ** j * (1 - a) for j in range(k)) + (k + 1) * a ** k
+    return tokens / (1 + cost * k)
+
+
+@pytest.mark.parametrize("a", [0.0, 0.2, 0.45, 0.6, 0.71, 0.9, 0.98, 1.0])
+@pytest.mark.parametrize("cost", [0.0, 0.05, 0.2, 0.5, 0.7, 1.0, 3.0])
+def test_cost_aware_share_maximizes_tokens_per_second(a, cost):
+    """With a measured cost the share is the k of the most tokens per unit of time (brute force over k, the
+    expectation written out), and none where no k beats a plain step."""
+    k = adaptive.num_draft_tokens(8, a, cost)
+    rates = [_rate(j, a, cost) for j in range(9)]
+    assert rates[k] >= max(rates) * (1 - 1e-9), (k, rates)
+    assert (k == 0) == (max(rates[1:]) <= 1.0 + 1e-9)
+    assert k == 0 or a > cost  # one draft pays exactly when it is accepted more often than it costs
+
+
+def test_step_costs_from_timings():
+    """StepCosts: a draft token's cost in plain steps from the timed steps (the marginal seconds per verify row
+    and the draft's seconds per token, over a plain step's seconds); unknown before a plain step is timed."""
+    c = adaptive.StepCosts()
+    c.observe_step(5, 0.0566)
+    c.observe_draft(4, 0.0432)
+    assert c.draft_token_cost() is None  # no plain step yet
+    c.observe_step(1, 0.0337)
+    assert c.draft_token_cost() == pytest.approx(((0.0566 - 0.0337) / 4 + 0.0108) / 0.0337)
+    c.observe_step(3, 0.0337 + 2 * 0.010)  # rows seen at several counts: their marginal seconds pooled
+    per_row = ((0.0566 - 0.0337) + 2 * 0.010) / (4 + 2)
+    assert c.draft_token_cost() == pytest.approx((per_row + 0.0108) / 0.0337)
+    for _ in range(200):  # a slower machine: the averages follow
+        c.observe_step(1, 0.05)
+        c.observe_step(5, 0.09)
+        c.observe_step(3, 0.07)
+        c.observe_draft(2, 0.04)
+    assert c.draft_token_cost() == pytest.approx((0.01 + 0.02) / 0.05, rel=1e-6)
+
+
+def test_cost_aware_scheduler_times_plain_steps_and_steps_aside():
+    """Cost-aware: a speculating single stream verifies no drafts in one step of ``CALIBRATE_EVERY`` (every 8
+    until a cost is known), so the runner can time a plain step; where drafts cost more than they are accepted
+    (cost 0.9 at acceptance ~0.7) it drafts only probes, and where they are cheap (0.1) the full length."""
+    def run(cost, accept_every, steps=200):
+        s = make_sched(k=4, adaptive=True, cost_aware=True, budget=64, num_blocks=400, max_model_len=2048)
+        r = req("a", 4, max_tokens=10_000)
+        prefill(s, r, spec=[1, 2, 3, 4])
+        ks = []
+        for step in range(steps):
+            so = s.schedule()
+            drafts = so.scheduled_spec_decode_tokens.get("a", [])
+            ks.append(len(drafts))
+            n_acc = len(drafts) if step % accept_every else 0  # accept all, or none
+            sampled = list(drafts[:n_acc]) + [20_000 + step]
+            s.update_from_output(so, ModelRunnerOutput(["a"], [sampled], spec_token_ids=[[1, 2, 3, 4]],
+                                                       spec_token_cost=cost if step >= 10 else None))
+        return ks
+
+    cheap = run(0.1, accept_every=4)  # 3 of 4 steps accept all: acceptance ~0.8
+    plain = [i for i, k in enumerate(cheap) if k == 0]
+    assert plain[0] == 1 and all(b - a == 8 for a, b in zip(plain, plain[1:]) if b < 10)  # every 8 at first
+    later = [i for i in plain if i > 20]
+    assert later and all(b - a >= adaptive.CALIBRATE_EVERY for a, b in zip(later, later[1:]))
+    assert sum(k == 4 for k in cheap[20:]) > 0.7 * len(cheap[20:])
+    dear = run(0.9, accept_every=4)
+    assert max(dear[40:]) <= 1 and 0 < sum(dear[40:]) < 0.1 * len(dear[40:]), dear[40:]  # probes only
+    assert max(run(None, accept_every=4)[20:]) == 4  # no cost measured: the fixed rule
 
 
 def test_speculative_config_validation():

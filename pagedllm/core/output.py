@@ -96,6 +96,8 @@ class ModelRunnerOutput:
     prompt_logprobs: Optional[dict[str, LogprobsLists]] = None  # for prompt positions computed this step
     spec_token_ids: Optional[list[list[int]]] = None
     unsampled_req_ids: frozenset = frozenset()
+    # Speculative decoding: a draft token's cost in plain decode steps on this machine (``StepCosts``; None: unknown).
+    spec_token_cost: Optional[float] = None
 
 
 @dataclass

@@ -123,8 +123,13 @@ class Scheduler:
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
         self.spec_disable_by_batch_size = (sc.disable_by_batch_size if sc is not None else None) or (1 << 62)
         self.spec_adaptive = bool(sc is not None and sc.adaptive)
+        self.spec_cost_aware = bool(self.spec_adaptive and sc.cost_aware)
         self.spec_step_token_budget = sc.step_token_budget if sc is not None else 0
         self.spec_stats = SpecDecodingStats() if sc is not None else None
+        # A draft token's cost in plain decode steps, as the runner last measured it (None: not yet; the fixed
+        # rule applies), and the speculating single-stream steps until the next plain one it times.
+        self.spec_token_cost: Optional[float] = None
+        self._steps_to_plain = 2
         if self.num_spec_tokens and use_pp:
             raise ValueError("speculative decoding can't be combined with pipeline parallelism yet.")
 
@@ -190,12 +195,15 @@ class Scheduler:
                 continue
             k_want = self.num_spec_tokens
             if spec_cap and self.spec_adaptive and req.num_output_tokens:
-                k_want = adaptive.num_draft_tokens(self.num_spec_tokens, req.spec_acceptance)
+                cost = self.spec_token_cost
+                k_want = adaptive.share(self.num_spec_tokens, req.spec_acceptance, cost)
                 if k_want == 0:
                     req.spec_acceptance = adaptive.relax(req.spec_acceptance)
+                elif self.spec_cost_aware and len(self.running) == 1 and self._plain_step_due():
+                    k_want = 0  # a plain step, for the runner to time (adaptive.StepCosts)
                 # drafts proposed after this step: its share from its acceptance, one more in case that rises
                 # (a drafter with a model pays a forward per draft position; absent: num_speculative_tokens)
-                k_next = adaptive.num_draft_tokens(self.num_spec_tokens, req.spec_acceptance)
+                k_next = adaptive.share(self.num_spec_tokens, req.spec_acceptance, cost)
                 k_next = min(self.num_spec_tokens, k_next + 1) if k_next else 0
                 if k_next < self.num_spec_tokens:
                     draft_limits[req.request_id] = k_next
@@ -296,6 +304,15 @@ class Scheduler:
             return 0
         return min(self.num_spec_tokens, max(0, (self.spec_step_token_budget - num_running) // num_running))
 
+    def _plain_step_due(self) -> bool:
+        """Whether this speculating single-stream step verifies no drafts: every ``CALIBRATE_EVERY`` steps (every 8
+        until the runner has a cost), so the runner times a plain step beside the verify steps."""
+        self._steps_to_plain -= 1
+        if self._steps_to_plain > 0:
+            return False
+        self._steps_to_plain = adaptive.CALIBRATE_EVERY if self.spec_token_cost is not None else 8
+        return True
+
     def _num_spec_tokens(self, req: Request, n: int, budget: int, k_want: int) -> int:
         """Draft tokens to verify with a decode of ``req`` (0 while it prefills): its proposal, cut to its adaptive
         share ``k_want``, to the budget left after its ``n`` tokens, and so that the token sampled after them still
@@ -344,6 +361,8 @@ class Scheduler:
         prompt_logprobs = out.prompt_logprobs or {}
         spec_decode_tokens = sched.scheduled_spec_decode_tokens
         spec_token_ids = out.spec_token_ids
+        if out.spec_token_cost is not None and self.spec_cost_aware:
+            self.spec_token_cost = out.spec_token_cost
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:

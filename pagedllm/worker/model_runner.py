@@ -9,6 +9,7 @@ model once, computes logits only where a token is sampled (or prompt logprobs we
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -29,6 +30,7 @@ from pagedllm.layers.sampler import (
     compute_prompt_logprobs,
 )
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.adaptive import StepCosts
 from pagedllm.spec_decode.drafter import make_drafter
 from pagedllm.spec_decode.verify import GeneratorRewind, accept, verify_rows
 from pagedllm.structured_output import apply_grammar_bitmask
@@ -154,6 +156,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.drafter = make_drafter(spec_cfg, self, draft_model) if spec_cfg is not None else None
+        self.spec_costs = StepCosts()
 
     # ------------------------------------------------------------------ state updates
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -206,6 +209,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        t_start = time.perf_counter()
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -324,14 +328,23 @@ class ModelRunner:
                     m = len(outputs[j])
                     logprobs_out[req_ids[i]] = LogprobsLists([t[: k + 1] for t in tid[r:r + m]],
                                                              [x[: k + 1] for x in lps[r:r + m]], ranks[r:r + m])
-        spec_token_ids = None
+        spec_token_ids = spec_cost = None
         if self.drafter is not None:
+            t_target = time.perf_counter()
             lim = sched.spec_draft_limits
             limits = [lim.get(r, self.drafter.k) for r in req_ids] if lim else None
             if getattr(self.drafter, "mirrors", False):  # a draft model computes this step's kept tokens too, then drafts
                 spec_token_ids = self.drafter.propose(states, sampled_lists, starts, query_lens, limits)
             else:
                 spec_token_ids = self.drafter.propose(states, sampled_lists, limits)
+            if num_reqs == 1 and sampled_lists[0] and starts[0] >= len(states[0].prompt_token_ids):
+                # a single stream's decode step: its costs (adaptive.StepCosts), in the scheduler's next step
+                drafts = sched.scheduled_spec_decode_tokens.get(req_ids[0]) if sched.scheduled_spec_decode_tokens \
+                    else None
+                if query_lens[0] == 1 + len(drafts or ()):
+                    self.spec_costs.observe_step(query_lens[0], t_target - t_start)
+                    self.spec_costs.observe_draft(len(spec_token_ids[0]), time.perf_counter() - t_target)
+            spec_cost = self.spec_costs.draft_token_cost()
 
         prompt_lp = self._prompt_logprobs(states, starts, query_lens, qsl, hidden)
         return ModelRunnerOutput(
@@ -341,6 +354,7 @@ class ModelRunner:
             prompt_logprobs=prompt_lp or None,
             spec_token_ids=spec_token_ids,
             unsampled_req_ids=unsampled,
+            spec_token_cost=spec_cost,
         )
 
     def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, verify=None):
