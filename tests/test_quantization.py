@@ -247,6 +247,43 @@ def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
         assert torch.equal(mm(x)[0], y[0])  # a decode row among 10 others
 
 
+@pytest.mark.parametrize("layout", [0, 1])
+def test_int4_prefill_bf16_is_the_expanded_weight_through_the_packed_gemm(layout):
+    """Prefill rows on AMX (``int4_prefill_bf16``): the pack expanded slab by slab straight into the packed layout of
+    a bf16 GEMM (0 AMX, 1 dpbf16) gives ``x @ int4_expand(...).T`` within the bound of float32 sums and one bf16
+    rounding, for an N that takes two slabs and a padded last block (2100 outputs of 2112, K 1024); each row's bits
+    are those it gets alone; and ``int4_matmul`` sends a step's prefill rows there (where AMX runs)."""
+    from pagedllm.layers.packed_linear import LINEAR_BACKENDS
+    from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
+
+    backend = LINEAR_BACKENDS[layout]
+    kern = kernels.lib(backend.library)
+    if cpu_kernels.get_lib() is None or kern is None or not backend.enabled(kernels.config()):
+        pytest.skip(f"no {backend.name} packed GEMM at this level")
+    torch.manual_seed(layout)
+    n, k = 2100, 1024
+    assert n * k > K.INT4_PREFILL_SLAB_WEIGHTS
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(n, k), 32), torch.bfloat16)
+    packed, sz, g = pk["packed"], pk["scales_and_zeros"], int(pk["kernel_group"])
+    found = (backend, kern, layout)
+    x = torch.randn(45, k).bfloat16()
+    y = K.int4_prefill_bf16(x, packed, sz, g, n, found)
+    assert y.shape == (45, n) and y.dtype == torch.bfloat16
+    w = cpu_kernels.int4_expand(packed, sz, g, torch.bfloat16)[:n].double()
+    ref = x.double() @ w.T
+    bound = (x.double().abs() @ w.abs().T) * 2.0 ** -20 + ref.abs() * 2.0 ** -8
+    assert ((y.double() - ref).abs() <= bound).all()
+    for r in (0, 17, 44):
+        assert torch.equal(y[r], K.int4_prefill_bf16(x[r:r + 1].contiguous(), packed, sz, g, n, found)[0]), r
+    with pytest.raises(ValueError, match="bad shape"):
+        K.int4_prefill_bf16(x[:, :1000].contiguous(), packed[:, :500].contiguous(), sz[:31].contiguous(), g, n,
+                            found)
+    if layout == 0 and K.int4_prefill_backend(k) is not None:
+        with K.step_rows([45]):
+            assert torch.equal(K.int4_matmul(x, packed, sz, g, n), y)
+
+
 def test_int4_avx2_library_gives_the_vnni_kernels_bits():
     """The library built for level avx2 (x86-64-v3: no AVX-512) has the integer-dot kernels too (vpmaddwd over the
     codes widened to 16 bits, the activations' 15-bit / 22-bit integers whole or in two int16 parts): int4 GEMV

@@ -212,6 +212,39 @@ void int4_expand(const uint8_t *packed, const void *sz, int64_t K, int64_t G, in
     }
 }
 
+/* Blocks b0 .. b1 - 1 (64 rows each) of the pack, expanded (int4_expand's values: one FMA, rounded once to bf16)
+ * straight into P in the packed layout of a bf16 linear kernel over those 64 (b1 - b0) rows alone: layout 0
+ * amx_pack's (amx_linear.c), 1 dpbf16_pack's (dpbf16_linear.c); both hold, per 16-row tile and group of 32 inputs,
+ * 16 pair-rows of 16 rows x 2 inputs (the layouts kq_dequant_packed_bf16 writes). Feeds prefill rows to the packed
+ * bf16 GEMM without a dense copy of the weight. Returns 0, or -1 for a bad layout, block range or K. */
+int int4_dequant_packed_bf16(const uint8_t *packed, const void *sz, int is_bf16, int64_t K, int64_t G, int64_t N_pad,
+                             int64_t b0, int64_t b1, int layout, uint16_t *P) {
+    if ((layout != 0 && layout != 1) || b0 < 0 || b1 <= b0 || 64 * b1 > N_pad || K % 32 || G % 32)
+        return -1;
+    const int64_t KB = K / 32;
+#pragma omp parallel
+    {
+        float tile[32][64] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < (b1 - b0) * KB; i++) {
+            const int64_t bl = i / KB, gi = i % KB; /* block (relative), group of 32 inputs */
+            expand_tile(packed, sz, is_bf16, K, G, N_pad, b0 + bl, 32 * gi, tile);
+            for (int t = 0; t < 4; t++) { /* the block's 16-row tiles */
+                const int64_t tl = 4 * bl + t;
+                uint16_t *dst = layout == 0 ? P + ((tl / 2) * KB + gi) * 1024 + (tl % 2) * 512
+                                            : P + 64 * bl * K + ((16 * gi) * 4 + t) * 32;
+                const int64_t rstride = layout == 0 ? 32 : 128;
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++) {
+                        dst[r * rstride + 2 * c] = f32_to_bf16(tile[2 * r][16 * t + c]);
+                        dst[r * rstride + 2 * c + 1] = f32_to_bf16(tile[2 * r + 1][16 * t + c]);
+                    }
+            }
+        }
+    }
+    return 0;
+}
+
 /* Per-row int8 weights (aten._weight_int8pack_mm's layout: q [N][K] int8, scale [N] in the activation dtype),
  * same tiling: out[M][N] = x[M][K] @ (q * scale[:, None]).T; K % 32 == 0. */
 void int8_gemm(const void *x, int64_t M, int64_t K, const int8_t *q, const void *scale, int64_t N, void *out,

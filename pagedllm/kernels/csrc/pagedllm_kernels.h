@@ -61,6 +61,8 @@ int dpbf16_tune(void);
 void int4_gemm(const void *x, int64_t M, int64_t K, const uint8_t *packed, const void *sz, int64_t G,
                int64_t N_pad, int64_t n_out, void *out, int is_bf16);
 void int4_expand(const uint8_t *packed, const void *sz, int64_t K, int64_t G, int64_t N_pad, void *w, int is_bf16);
+int int4_dequant_packed_bf16(const uint8_t *packed, const void *sz, int is_bf16, int64_t K, int64_t G, int64_t N_pad,
+                             int64_t b0, int64_t b1, int layout, uint16_t *P);
 void int8_gemm(const void *x, int64_t M, int64_t K, const int8_t *q, const void *scale, int64_t N, void *out,
                int is_bf16);
 void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N, float *out,
