@@ -337,6 +337,9 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     assert int4.ours == pytest.approx(50.0) and C.ratio(int4, "llamacpp") == pytest.approx(1.25)
     table = C.format_ratio_table(list(rows.values()))
     assert "| offline mixed: output tok/s | 900.0 | 600.0 | **1.50x** | 90.0 | **10.00x** |" in table
+    # sections this run did not measure (quantized, structured) leave no empty rows or tables
+    assert "quantized (GGUF as stored)" not in table and "structured json-schema" not in table
+    assert "Quantized as stored" not in C.detail_tables(runs) and "#### Serving" in C.detail_tables(runs)
     assert "| 32 | 60.0 |" in C.engine_table(runs) and "1.50x" in C.engine_table(runs)
     # the KV a batch-32 step reads: 32 requests x (128 + 64 / 2) tokens x 2 x 30 layers x 3 heads x 64 dims x 2 bytes
     kv = 32 * 160 * 2 * 30 * 3 * 64 * 2

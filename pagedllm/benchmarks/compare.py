@@ -48,6 +48,12 @@ from pagedllm.benchmarks import peers as P
 PEER_NAMES = {"pagedllm": "pagedllm", "pagedllm-int4": "pagedllm int4", "vllm": "vLLM-CPU", "hf": "HF Transformers", "llamacpp": "llama.cpp"}
 
 
+def server_name(key: str) -> str:
+    """A ``server_cmds`` key (``eng`` or ``eng:tag``) as shown: ``vLLM-CPU`` or ``vLLM-CPU (ngram)``."""
+    eng, _, tag = key.partition(":")
+    return PEER_NAMES.get(eng, eng) + (f" ({tag})" if tag else "")
+
+
 @dataclass
 class Run:
     section: str
@@ -285,8 +291,13 @@ def _missing_peer(ns, name: str) -> str:
 
 
 def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, ...],
-           runs: list[Run]) -> Optional[P.ServerProcess]:
-    """Starts ``eng``'s server on a free port (None, with a Run per section saying why, if it can't)."""
+           runs: list[Run], extra: tuple[str, ...] = (), tag: str = "",
+           llama_parallel: Optional[int] = None) -> Optional[P.ServerProcess]:
+    """Starts ``eng``'s server on a free port (None, with a Run per section saying why, if it can't).
+
+    ``extra``: more server flags (appended); ``tag``: names this server among several of ``eng`` (its key in
+    ``server_cmds`` is ``eng:tag``, its log ``server-eng-tag.log``); ``llama_parallel``: llama-server's slots
+    (default: enough for ``--serve-concurrency``)."""
     from pagedllm.model_files import default_model_path
 
     port = P.free_port()
@@ -307,14 +318,18 @@ def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, .
         if P.llama_server_bin() is None:
             runs.extend(Run(s, eng, "", error=_missing_peer(ns, "llama.cpp")) for s in sections)
             return None
-        cmd = P.llama_server_cmd(port, _gguf(ns) or default_model_path(), parallel=max(16, ns.serve_concurrency))
-    server_cmds[eng] = _pretty(cmd, env_note)
-    print(f"[compare] starting {PEER_NAMES.get(eng, eng)}: {server_cmds[eng]}", flush=True)
+        cmd = P.llama_server_cmd(port, _gguf(ns) or default_model_path(),
+                                 parallel=llama_parallel or max(16, ns.serve_concurrency))
+    cmd = cmd + list(extra)
+    key = f"{eng}:{tag}" if tag else eng
+    server_cmds[key] = _pretty(cmd, env_note)
+    print(f"[compare] starting {server_name(key)}: {server_cmds[key]}", flush=True)
     try:
-        srv = P.start_server(PEER_NAMES.get(eng, eng), cmd, port, os.path.join(out_dir, f"server-{eng}.log"),
+        srv = P.start_server(PEER_NAMES.get(eng, eng), cmd, port,
+                             os.path.join(out_dir, f"server-{eng}{'-' + tag if tag else ''}.log"),
                              env=env, timeout_s=ns.server_start_timeout)
     except RuntimeError as e:
-        runs.extend(Run(s, eng, server_cmds[eng], error=f"server did not start: {str(e)[-600:]}") for s in sections)
+        runs.extend(Run(s, eng, server_cmds[key], error=f"server did not start: {str(e)[-600:]}") for s in sections)
         return None
     print(f"[compare]   up after {srv.start_seconds:.0f} s", flush=True)
     return srv
@@ -553,6 +568,8 @@ def format_ratio_table(rows: list[Row]) -> str:
     head.append("target")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        if r.ours is None and all(v is None for v in r.peers.values()):
+            continue  # a section this run did not measure
         cells = [r.metric, _fmt(r.ours)]
         for p in peers:
             if p in r.peers:
@@ -663,12 +680,14 @@ def detail_tables(runs: list[Run]) -> str:
                            ("quant-single", "Quantized as stored: single stream (`random` 128 in)"),
                            ("quant-ttft1024", "Quantized as stored: single stream, 1,024 tokens in"),
                            ("quant-chat8", "Quantized as stored: `chat`, 8 clients")):
+        levels = [(eng, _level(_get(runs, section, eng))) for eng in ("pagedllm", "pagedllm-int4", "vllm", "llamacpp")]
+        if not any(lv for _, lv in levels):
+            continue  # a section this run did not measure
         out += ["", f"#### {title}", "",
                 "| server | ok/failed | duration s | req/s | output tok/s | TTFT mean/median/P99 ms | "
                 "TPOT mean/median/P99 ms | ITL mean/median/P99 ms | E2E mean/median/P99 ms |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for eng in ("pagedllm", "pagedllm-int4", "vllm", "llamacpp"):
-            lv = _level(_get(runs, section, eng))
+        for eng, lv in levels:
             if not lv:
                 continue
             cells = [f"{lv['completed']}/{lv['failed']}", f"{lv['duration']:.1f}", f"{lv['request_throughput']:.2f}",
@@ -769,8 +788,8 @@ def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions
     lines += ["", "### Exact commands", "", "Peers were installed with `make bench-peers` "
               "(`benchmarks/peers/install.sh`). This whole run:", "", "```", ns.command_line, "```", "",
               "Servers (each started on a free loopback port, stopped after its runs):", "", "```"]
-    for eng, c in server_cmds.items():
-        lines.append(f"# {PEER_NAMES[eng]}")
+    for key, c in server_cmds.items():
+        lines.append(f"# {server_name(key)}")
         lines.append(c)
     lines += ["```", "", "Benchmark runs (in order; `--base-url` is the server above):", "", "```"]
     for r in runs:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -264,6 +265,9 @@ def compute_metrics(results: list[RequestResult], duration: float, *, max_concur
         m["request_kinds"] = [kinds[i] for i in range(len(results))]
     m["request_ttfts_ms"] = [r.ttft * 1000.0 if r.success else None for r in results]
     m["request_output_tokens"] = [r.output_tokens if r.success else None for r in results]
+    # per request, a digest of its text: whether two runs of the same requests (with and without speculation) agree
+    m["request_text_sha1"] = [hashlib.sha1(r.generated_text.encode()).hexdigest()[:16] if r.success else None
+                              for r in results]
     m["errors"] = sorted({r.error for r in results if not r.success})[:10]
     m["input_lens"] = [r.prompt_len for r in ok]
     m["output_lens"] = [r.output_tokens for r in ok]
