@@ -513,3 +513,99 @@ def test_llama_server_repacks_weights_except_on_amx_cpus():
     assert P.llama_repack_args(frozenset({"avx2"})) == []
     cmd = P.llama_server_cmd(8000, "/m.gguf")
     assert ("--no-repack" in cmd) == ("amx_tile" in P.cpu_flags())
+
+
+def test_compare_speculative_section(tmp_path, monkeypatch):
+    """``--sections speculative``: per engine one server without speculation (each workload its methods need), then
+    one per method with the method's flags (the same --speculative-config for ours and vLLM, llama.cpp's own lookup /
+    draft flags, self_int4 ours alone); the tables give each speed-up over the same engine's baseline, acceptance,
+    answers identical to the baseline, ours against each peer; RESULTS.md gets its own block and keeps the main one."""
+    import argparse
+
+    from pagedllm.benchmarks import compare_spec as S
+
+    parser = argparse.ArgumentParser()
+    C.add_compare_args(parser)
+    ns = parser.parse_args(["--peers", "vllm,llamacpp", "--sections", "speculative", "--spec-num-prompts", "3"])
+    ns.peers = ns.peers.split(",")
+    ns.spec_methods = C._spec_methods(ns.spec_methods)
+    ns.gguf = "/models/qwen2.5-coder-1.5b-instruct.gguf"
+    ns.command_line = "pagedllm bench compare --sections speculative"
+    with pytest.raises(SystemExit, match="unknown eagle"):
+        C._spec_methods("ngram,eagle")
+    started, benches = [], []
+
+    class FakeServer:
+        base_url = "http://127.0.0.1:1"
+        start_seconds = 0.0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(C.P, "vllm_bin", lambda: "/x/vllm")
+    monkeypatch.setattr(C.P, "llama_server_bin", lambda: "/x/llama-server")
+    monkeypatch.setattr(C.P, "hf_export_dir", lambda gguf=None: f"/x/{os.path.basename(gguf)}-hf")
+    monkeypatch.setattr(C.P, "vllm_env", lambda: {})
+    monkeypatch.setattr(S, "draft_gguf", lambda ns: "/models/qwen2.5-coder-0.5b-instruct.gguf")
+    monkeypatch.setattr(C.P, "start_server", lambda name, cmd, *a, **k: started.append(cmd) or FakeServer())
+    monkeypatch.setattr(C, "_run_json", lambda section, eng, cmd, *a, **k: benches.append((section, eng, cmd))
+                        or C.Run(section, eng, "y", ok=True))
+    runs, cmds = [], {}
+    S.run_speculative(ns, str(tmp_path), runs, cmds)
+    # ours: one baseline server (code-edit and chat), then ngram, draft_model, self_int4; vLLM: baseline, ngram,
+    # draft_model; llama.cpp the same three
+    assert len(started) == 4 + 3 + 3
+    assert set(cmds) == {f"{e}:{t}" for e in ("pagedllm", "vllm", "llamacpp")
+                         for t in ("no speculation", "ngram", "draft_model")} | {"pagedllm:self_int4"}
+    ours_ngram = started[1]
+    assert json.loads(ours_ngram[ours_ngram.index("--speculative-config") + 1]) == S.NGRAM
+    assert "bfloat16" in ours_ngram and "--quantization" in ours_ngram
+    vllm_draft = cmds["vllm:draft_model"]
+    assert "qwen2.5-coder-0.5b-instruct.gguf-hf" in vllm_draft  # vLLM's draft is the bf16 export
+    llama_ngram, llama_draft = cmds["llamacpp:ngram"], cmds["llamacpp:draft_model"]
+    assert "--spec-type ngram-simple" in llama_ngram and "-np 1" in llama_ngram
+    assert "--model-draft /models/qwen2.5-coder-0.5b-instruct.gguf" in llama_draft
+    by = {(s, e): c for s, e, c in benches}
+    assert set(by) == {(s, e) for e in ("pagedllm", "vllm", "llamacpp")
+                       for s in ("spec_base_code_edit", "spec_base_chat", "spec_ngram", "spec_draft_model")} \
+        | {("spec_self_int4", "pagedllm")}
+    for (s, e), c in by.items():
+        assert c[c.index("--max-concurrency") + 1] == "1" and c[c.index("--num-prompts") + 1] == "3"
+        assert ("--speculative-config" in c) == (s.startswith("spec_") and "base" not in s and e != "llamacpp")
+        assert c[c.index("--dataset-name") + 1] == ("code-edit" if s in ("spec_base_code_edit", "spec_ngram")
+                                                     else "chat")
+
+    def lv(tpot, sha, rate=None, length=None):
+        d = {"mean_tpot_ms": tpot, "request_text_sha1": sha}
+        if rate is not None:
+            d["spec_decode"] = {"acceptance_rate": rate, "mean_acceptance_length": length}
+        return {"levels": [d]}
+
+    R = C.Run
+    runs = [R("spec_base_code_edit", "pagedllm", "x", True, lv(10.0, ["a", "b", "c"])),
+            R("spec_ngram", "pagedllm", "x", True, lv(4.0, ["a", "b", "d"], 0.8, 4.5)),
+            R("spec_base_code_edit", "vllm", "x", True, lv(20.0, ["a", "b", "c"])),
+            R("spec_ngram", "vllm", "x", True, lv(10.0, ["a", "b", "c"], 0.7, 3.0)),
+            R("spec_base_chat", "pagedllm", "x", True, lv(100.0, ["e", None, "f"])),
+            R("spec_self_int4", "pagedllm", "x", True, lv(50.0, ["e", "g", "f"], 0.9, 4.0)),
+            R("spec_draft_model", "llamacpp", "", False, None, "server did not start: boom")]
+    rows = {(r.method, r.engine): r for r in S.spec_rows(runs)}
+    assert rows[("ngram", "pagedllm")].speedup == pytest.approx(2.5)
+    assert rows[("ngram", "pagedllm")].identical == (2, 3)
+    assert rows[("ngram", "vllm")].speedup == pytest.approx(2.0) and rows[("ngram", "vllm")].identical == (3, 3)
+    assert rows[("self_int4", "pagedllm")].identical == (2, 2)  # a failed request is not compared
+    table = S.spec_table(runs)
+    assert "| ngram (`code-edit`) | pagedllm | 100.0 | 250.0 | **2.50x** | 0.80 | 4.50 | 2 of 3 |" in table
+    assert "| ngram | 250.0 | **2.50x** | — | 1.25x |" in table  # 250 vs vLLM's 100 tok/s; speed-ups 2.5 / 2.0
+
+    md = tmp_path / "RESULTS.md"
+    info = {"cpu": "x", "isa_level": "amx"}
+    main = _fake_runs()
+    C.write_results_md(str(md), ns, main, {}, info, {}, "first", 1.0, str(tmp_path))
+    before = md.read_text()
+    C.write_results_md(str(md), ns, runs, cmds, info, {}, "then", 1.0, str(tmp_path))
+    text = md.read_text()
+    key = C.section_key(info, ns.gguf)
+    assert f"<!-- section: {key}/speculative -->" in text and text.count("<!-- section: ") == 2
+    assert text.startswith(before.rstrip("\n"))  # the main section as it was
+    assert "spec_draft_model / llama.cpp: server did not start: boom" in text

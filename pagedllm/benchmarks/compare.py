@@ -326,7 +326,7 @@ def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, .
     print(f"[compare] starting {server_name(key)}: {server_cmds[key]}", flush=True)
     try:
         srv = P.start_server(PEER_NAMES.get(eng, eng), cmd, port,
-                             os.path.join(out_dir, f"server-{eng}{'-' + tag if tag else ''}.log"),
+                             os.path.join(out_dir, f"server-{eng}{'-' + tag.replace(' ', '-') if tag else ''}.log"),
                              env=env, timeout_s=ns.server_start_timeout)
     except RuntimeError as e:
         runs.extend(Run(s, eng, server_cmds[key], error=f"server did not start: {str(e)[-600:]}") for s in sections)
@@ -724,12 +724,20 @@ def merge_results_md(old: str, key: str, section: str) -> str:
 
 def write_results_md(path: str, ns, runs: list[Run], server_cmds: dict, info: dict, versions: dict,
                      started: str, wall: float, out_dir: str) -> None:
-    """Writes this run's section of ``path`` (see ``merge_results_md``)."""
-    text = results_section(ns, runs, server_cmds, info, versions, started, wall, out_dir)
+    """Writes this run's sections of ``path`` (see ``merge_results_md``): the main one of its CPU and model where it
+    ran anything but the speculative section, and the speculative block (``<key>/speculative``) where it ran that."""
+    from pagedllm.benchmarks import compare_spec
+
+    key = section_key(info, _gguf(ns))
     old = open(path).read() if os.path.exists(path) else ""
+    if any(not r.section.startswith("spec_") for r in runs):
+        old = merge_results_md(old, key, results_section(ns, [r for r in runs if not r.section.startswith("spec_")],
+                                                         server_cmds, info, versions, started, wall, out_dir))
+    if compare_spec.has_runs(runs):
+        old = merge_results_md(old, key + "/speculative", compare_spec.results_block(ns, runs, info, started))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        f.write(merge_results_md(old, section_key(info, _gguf(ns)), text))
+        f.write(old)
 
 
 def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions: dict,
@@ -811,7 +819,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated peers to include (those not installed are reported and skipped).")
     p.add_argument("--sections", default="offline,serve,structured,engine",
                    help="Comma-separated: offline, serve, structured, engine, quantized (ours on the GGUF's "
-                        "quantized layers as stored vs llama.cpp: not in the default set).")
+                        "quantized layers as stored vs llama.cpp), speculative (single stream with and without "
+                        "--speculative-config, ours vs vLLM-CPU and llama.cpp; its own block of RESULTS.md). The "
+                        "last two are not in the default set.")
     p.add_argument("--model", default=None,
                    help="A real model by name (smollm2, qwen2.5-0.5b, qwen2.5-1.5b, gemma3-270m) or a GGUF path "
                         "(default: the bundled SmolLM2). vLLM and HF run its bf16 export under .peers/.")
@@ -826,6 +836,13 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-output-len", type=int, default=128)
     p.add_argument("--single-num-prompts", type=int, default=4)
     p.add_argument("--single-output-len", type=int, default=128)
+    p.add_argument("--spec-methods", default="ngram,draft_model,self_int4",
+                   help="The speculative section's methods (draft_model needs a model with a smaller sibling: "
+                        "--model qwen2.5-1.5b).")
+    p.add_argument("--spec-num-prompts", type=int, default=4, help="Requests per speculative-section run.")
+    p.add_argument("--spec-output-len", type=int, default=128,
+                   help="Output tokens of the speculative section's `chat` requests (code-edit answers end by "
+                        "themselves).")
     p.add_argument("--latency-output-len", type=int, default=64, help="Output tokens of each `bench latency` run.")
     p.add_argument("--latency-iters", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0, help="Seconds allowed for each benchmark run.")
@@ -863,7 +880,7 @@ def _runs_from_files(out_dir: str) -> list[Run]:
 
 _PARAMS = ("offline_num_prompts", "offline_num_iters", "hf_batch_size", "serve_num_prompts", "serve_output_len",
            "serve_concurrency", "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters",
-           "structured_num_prompts", "model")
+           "structured_num_prompts", "model", "spec_methods", "spec_num_prompts", "spec_output_len")
 
 
 def render_only(ns: argparse.Namespace) -> int:
@@ -897,10 +914,22 @@ def render_only(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _spec_methods(value) -> tuple[str, ...]:
+    """``--spec-methods`` as a tuple (a list or tuple as given: a ``compare.json``'s params)."""
+    from pagedllm.benchmarks.compare_spec import SPEC_METHODS
+
+    methods = tuple(m.strip() for m in value.split(",") if m.strip()) if isinstance(value, str) else tuple(value)
+    bad = [m for m in methods if m not in SPEC_METHODS]
+    if bad:
+        raise SystemExit(f"--spec-methods: unknown {', '.join(bad)} (choose from {', '.join(SPEC_METHODS)})")
+    return methods
+
+
 def cmd_compare(ns: argparse.Namespace) -> int:
     if ns.render_only:
         return render_only(ns)
     ns.peers = [p.strip() for p in ns.peers.split(",") if p.strip()]
+    ns.spec_methods = _spec_methods(ns.spec_methods)
     from pagedllm.model_files import resolve_model
 
     ns.gguf = resolve_model(ns.model) if ns.model else None
@@ -924,6 +953,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         run_quantized(ns, out_dir, runs, server_cmds)
     if "engine" in sections:
         run_engine(ns, out_dir, runs)
+    if "speculative" in sections:
+        from pagedllm.benchmarks import compare_spec
+
+        compare_spec.run_speculative(ns, out_dir, runs, server_cmds)
     wall = time.perf_counter() - t0
     versions = P.versions()  # again: a peer may have finished installing while this ran
     rows = build_rows(runs)
@@ -931,6 +964,11 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     print(format_ratio_table(rows))
     print()
     print(engine_table(runs))
+    if "speculative" in sections:
+        from pagedllm.benchmarks import compare_spec
+
+        print()
+        print(compare_spec.spec_table(runs))
     for r in runs:
         if not r.ok:
             print(f"[compare] not run: {r.section}/{r.engine}: {r.error[-300:]}")
