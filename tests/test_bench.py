@@ -566,12 +566,15 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
     assert "--spec-type ngram-simple" in llama_ngram and "-np 1" in llama_ngram
     assert "--model-draft /models/qwen2.5-coder-0.5b-instruct.gguf" in llama_draft
     by = {(s, e): c for s, e, c in benches}
+    loads = {"spec_load_base", "spec_load_ngram", "spec_load_draft_model", "spec_load_self_int4"}
     assert set(by) == {(s, e) for e in ("pagedllm", "vllm", "llamacpp")
                        for s in ("spec_base_code_edit", "spec_base_chat", "spec_ngram", "spec_draft_model")} \
-        | {("spec_self_int4", "pagedllm")}
+        | {("spec_self_int4", "pagedllm")} | {(s, "pagedllm") for s in loads}  # ours also under load
     for (s, e), c in by.items():
-        assert c[c.index("--max-concurrency") + 1] == "1" and c[c.index("--num-prompts") + 1] == "3"
-        assert ("--speculative-config" in c) == (s.startswith("spec_") and "base" not in s and e != "llamacpp")
+        load = s in loads
+        assert c[c.index("--max-concurrency") + 1] == ("32" if load else "1")
+        assert c[c.index("--num-prompts") + 1] == ("64" if load else "3")
+        assert ("--speculative-config" in c) == ("base" not in s and e != "llamacpp")
         assert c[c.index("--dataset-name") + 1] == ("code-edit" if s in ("spec_base_code_edit", "spec_ngram")
                                                      else "chat")
 
@@ -588,7 +591,10 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
             R("spec_ngram", "vllm", "x", True, lv(10.0, ["a", "b", "c"], 0.7, 3.0)),
             R("spec_base_chat", "pagedllm", "x", True, lv(100.0, ["e", None, "f"])),
             R("spec_self_int4", "pagedllm", "x", True, lv(50.0, ["e", "g", "f"], 0.9, 4.0)),
-            R("spec_draft_model", "llamacpp", "", False, None, "server did not start: boom")]
+            R("spec_draft_model", "llamacpp", "", False, None, "server did not start: boom"),
+            R("spec_load_base", "pagedllm", "x", True, {"levels": [{"output_throughput": 400.0}]}),
+            R("spec_load_ngram", "pagedllm", "x", True,
+              {"levels": [{"output_throughput": 392.0, "spec_decode": {"acceptance_rate": 0.5}}]})]
     rows = {(r.method, r.engine): r for r in S.spec_rows(runs)}
     assert rows[("ngram", "pagedllm")].speedup == pytest.approx(2.5)
     assert rows[("ngram", "pagedllm")].identical == (2, 3)
@@ -597,6 +603,8 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
     table = S.spec_table(runs)
     assert "| ngram (`code-edit`) | pagedllm | 100.0 | 250.0 | **2.50x** | 0.80 | 4.50 | 2 of 3 |" in table
     assert "| ngram | 250.0 | **2.50x** | — | 1.25x |" in table  # 250 vs vLLM's 100 tok/s; speed-ups 2.5 / 2.0
+    assert "| ngram | 400.0 | 392.0 | **98.0%** | 0.50 |" in table  # under load: 2% lost
+    assert S.load_rows(runs) == [("ngram", 400.0, 392.0, 0.5)]
 
     md = tmp_path / "RESULTS.md"
     info = {"cpu": "x", "isa_level": "amx"}

@@ -12,6 +12,9 @@ without speculation (the baseline of its own speed-up) and once per method, on t
   llama.cpp on the GGUF (``--model-draft``, ``--spec-draft-n-max``).
 * ``self_int4`` (ours only: no peer has it) on ``chat``, ``DRAFT_K`` tokens a draft.
 
+Ours also runs under load on each of those servers (``chat`` at ``LOAD_CONCURRENCY`` clients): what speculation
+costs when the batch is full and it should step aside.
+
 Ours and vLLM run the target in bf16 (vLLM on the bf16 export), llama.cpp on the GGUF as stored, as in the ``serve``
 section. Per run: decode tok/s (1000 / mean TPOT), the speed-up over the same server kind without speculation, the
 acceptance figures from the server's ``/metrics`` (ours and vLLM), and how many answers are identical to the
@@ -39,6 +42,11 @@ DRAFT_K = 4
 DRAFT_FOR = {"qwen2.5-coder-1.5b-instruct.gguf": "qwen2.5-0.5b"}  # target GGUF file name -> NAMED_MODELS draft
 CODE_EDIT_MAX_TOKENS = 384
 WORKLOAD = {"ngram": "code-edit", "draft_model": "chat", "self_int4": "chat"}
+# Under load speculation must step aside: ours at LOAD_CONCURRENCY clients with each method on, against the same
+# server kind without it (issue 21: <= 3% output throughput lost).
+LOAD_CONCURRENCY = 32
+LOAD_NUM_PROMPTS = 64
+LOAD_TARGET = ">= 97% (at most 3% lost)"
 TARGETS = {"ngram": ">= 2x its baseline; ahead of vLLM", "draft_model": ">= 1.5x its baseline; ahead of vLLM",
            "self_int4": ">= 1.4x its baseline"}
 
@@ -49,6 +57,11 @@ def base_section(dataset: str) -> str:
 
 def spec_section(method: str) -> str:
     return "spec_" + method
+
+
+def load_section(method: Optional[str]) -> str:
+    """The section of ours under load: with ``method`` on, or (None) without speculation."""
+    return "spec_load_" + (method or "base")
 
 
 @dataclass(frozen=True)
@@ -106,12 +119,15 @@ def engine_spec(ns, eng: str, method: str) -> EngineSpec | str:
 
 
 def _bench(ns, eng: str, srv, out_dir: str, runs: list, section: str, dataset: str,
-           spec_config: Optional[str]) -> None:
+           spec_config: Optional[str], load: bool = False) -> None:
+    """One ``bench serve`` run: single stream (``ns.spec_num_prompts`` requests), or with ``load`` ``chat`` at
+    ``LOAD_CONCURRENCY`` clients (``LOAD_NUM_PROMPTS`` requests of ``ns.spec_output_len`` tokens)."""
     out = os.path.join(out_dir, f"{section}-{eng}.json")
     lens = (["--output-len", str(CODE_EDIT_MAX_TOKENS), "--no-ignore-eos"] if dataset == "code-edit"
             else ["--output-len", str(ns.spec_output_len)])
+    n, conc = (LOAD_NUM_PROMPTS, LOAD_CONCURRENCY) if load else (ns.spec_num_prompts, 1)
     cmd = C._cli("serve", "--base-url", srv.base_url, "--backend", "openai-chat", "--dataset-name", dataset,
-                 "--num-prompts", str(ns.spec_num_prompts), "--max-concurrency", "1", *lens, "--seed", "0",
+                 "--num-prompts", str(n), "--max-concurrency", str(conc), *lens, "--seed", "0",
                  "--label", C.PEER_NAMES[eng], "--result-file", out, "--no-plot",
                  *(["--speculative-config", spec_config] if spec_config else []), *C._tokenizer_args(ns))
     runs.append(C._run_json(section, eng, cmd, out, ns.timeout, os.path.join(out_dir, f"{section}-{eng}.log")))
@@ -133,22 +149,29 @@ def run_speculative(ns, out_dir: str, runs: list, server_cmds: dict) -> None:
         if not todo:
             continue
         datasets = list(dict.fromkeys(WORKLOAD[m] for m in todo))
-        extra = C.OURS_BF16 if eng == "pagedllm" else []
-        srv = C._start(ns, eng, out_dir, server_cmds, tuple(base_section(d) for d in datasets), runs,
-                       extra=tuple(extra), tag="no speculation", llama_parallel=1)
+        ours = eng == "pagedllm"
+        extra = C.OURS_BF16 if ours else []
+        base = tuple(base_section(d) for d in datasets) + ((load_section(None),) if ours else ())
+        srv = C._start(ns, eng, out_dir, server_cmds, base, runs, extra=tuple(extra), tag="no speculation",
+                       llama_parallel=1)
         if srv is not None:
             try:
                 for d in datasets:
                     _bench(ns, eng, srv, out_dir, runs, base_section(d), d, None)
+                if ours:
+                    _bench(ns, eng, srv, out_dir, runs, load_section(None), "chat", None, load=True)
             finally:
                 srv.stop()
         for m, spec in todo.items():
-            srv = C._start(ns, eng, out_dir, server_cmds, (spec_section(m),), runs,
+            srv = C._start(ns, eng, out_dir, server_cmds,
+                           (spec_section(m),) + ((load_section(m),) if ours else ()), runs,
                            extra=tuple(extra) + spec.server_args, tag=m, llama_parallel=1)
             if srv is None:
                 continue
             try:
                 _bench(ns, eng, srv, out_dir, runs, spec_section(m), WORKLOAD[m], spec.bench_config)
+                if ours:
+                    _bench(ns, eng, srv, out_dir, runs, load_section(m), "chat", spec.bench_config, load=True)
             finally:
                 srv.stop()
 
@@ -228,7 +251,29 @@ def spec_table(runs: list) -> str:
         v = by.get((m, "vllm"))
         rel = f"{ours.speedup / v.speedup:.2f}x" if v and v.speedup and ours.speedup else "—"
         lines.append(f"| {m} | {f(ours.spec_tps)} | {cells[0]} | {cells[1]} | {rel} | {TARGETS[m]} |")
+    load = load_rows(runs)
+    if load:
+        lines += ["", f"Under load (pagedllm, `chat` at {LOAD_CONCURRENCY} clients, {LOAD_NUM_PROMPTS} requests):", "",
+                  "| method | output tok/s, no speculation | output tok/s, speculation | kept | acceptance rate | "
+                  "target |", "|---|---|---|---|---|---|"]
+        for m, base_tps, spec_tps, rate in load:
+            kept = f"**{100.0 * spec_tps / base_tps:.1f}%**" if spec_tps and base_tps else "—"
+            lines.append(f"| {m} | {f(base_tps)} | {f(spec_tps)} | {kept} | "
+                         f"{f'{rate:.2f}' if rate is not None else '—'} | {LOAD_TARGET} |")
     return "\n".join(lines)
+
+
+def load_rows(runs: list) -> list[tuple[str, Optional[float], Optional[float], Optional[float]]]:
+    """(method, output tok/s without speculation, with it, acceptance rate) of ours under load, per method run."""
+    base = C._level(C._get(runs, load_section(None), "pagedllm"))
+    rows = []
+    for m in SPEC_METHODS:
+        lv = C._level(C._get(runs, load_section(m), "pagedllm"))
+        if lv is None:
+            continue
+        rows.append((m, base and base.get("output_throughput"), lv.get("output_throughput"),
+                     (lv.get("spec_decode") or {}).get("acceptance_rate")))
+    return rows
 
 
 def results_block(ns, runs: list, info: dict, started: str) -> str:
@@ -246,7 +291,10 @@ def results_block(ns, runs: list, info: dict, started: str) -> str:
         f"self_int4 k = {DRAFT_K}; our draft GGUF runs its quant types as stored, vLLM's draft is its bf16 export); "
         f"llama.cpp runs the GGUF as stored with its own speculation (`--spec-type ngram-simple`, n-gram "
         f"{LLAMA_NGRAM_N}, drafts of {NGRAM['num_speculative_tokens']}; `--model-draft` with "
-        f"`--spec-draft-n-max {DRAFT_K}`). Acceptance figures from each server's `/metrics` (llama.cpp has none).",
+        f"`--spec-draft-n-max {DRAFT_K}`). Acceptance figures from each server's `/metrics` (llama.cpp has none). "
+        f"Under load: ours at {LOAD_CONCURRENCY} concurrent `chat` clients ({LOAD_NUM_PROMPTS} requests x "
+        f"{ns.spec_output_len} tokens, ignore_eos) on the same servers, output tok/s with each method on against "
+        "the server without speculation.",
         "",
         spec_table(runs),
         "",
