@@ -4,6 +4,9 @@ Kernels (C + OpenMP, AVX-512 where the CPU has it, scalar C otherwise):
 - ``paged_decode`` (``kernels/csrc/paged_decode.c``): decode attention straight from the paged KV cache (its score pass on
   AMX tiles where the AMX library runs);
 - ``prefill_attention``: prefill attention on AMX tiles (``kernels/csrc/amx_attention.c``, in the ``amx`` library);
+- ``paged_prefill`` (``kernels/csrc/paged_prefill.c``): chunk-invariant prefill attention where the AMX kernel doesn't
+  run (each query row's bits independent of its chunk and batch; VDPBF16PS for bf16 with AVX512-BF16, else float32
+  FMAs);
 - ``add_rms_norm``, ``silu_and_mul``, ``rope_and_cache``, ``argmax_rows`` (``kernels/csrc/cpu_ops.c``): fused element-wise
   passes that replace 2-8 torch ops each (per-op dispatch and OpenMP overhead dominate at decode batch sizes).
 
@@ -199,3 +202,38 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                    batch.q_starts.shape[0], out.data_ptr(), H, KVH, D, BS, float(scale),
                                    int(window or 0), ws.data_ptr())
     return True
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: "PrefillBatch",
+                  out: torch.Tensor, scale: float, window: Optional[int]) -> bool:
+    """Causal attention of every prefill slice of a step, straight from the paged cache (``csrc/paged_prefill.c``);
+    this step's K/V must already be in the cache. Each query row's result is a function of the row alone (its q, its
+    position and the K/V it sees), never of how the prompt was cut into chunks or what else the step holds: with
+    torch's SDPA a request's output would depend on its neighbours (they move its chunk boundaries).
+
+    Shapes as ``prefill_attention``: ``q [num_tokens, H, D]`` (rows may have a stride; ``q.stride(1) == D``),
+    ``out`` the same, contiguous; ``k_cache/v_cache [num_blocks, BS, KVH, D]`` contiguous, bf16 or float32 like ``q``.
+    Returns False (doing nothing) where it can't run: no C library (level ``none``), ``batch_invariant`` off (then
+    torch's SDPA, often faster), another dtype, ``D`` odd or > 256, more than 16 query heads per KV head.
+    """
+    if not kernels.config().batch_invariant or q.device.type != "cpu":
+        return False
+    lib = get_lib()
+    if lib is None or q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype:
+        return False
+    H, D = q.shape[1], q.shape[2]
+    BS, KVH = k_cache.shape[1], k_cache.shape[2]
+    if (q.stride(2) != 1 or q.stride(1) != D or not (out.is_contiguous() and k_cache.is_contiguous()
+                                                     and v_cache.is_contiguous())):
+        return False
+    is_bf16 = int(q.dtype == torch.bfloat16)
+    ws = batch._ws.get(("paged_prefill", KVH, D, is_bf16))
+    if ws is None:
+        nbytes = lib.paged_prefill_ws_bytes(batch.seq_lens.data_ptr(), batch.seq_lens.shape[0], KVH, D, is_bf16)
+        ws = torch.empty(max(int(nbytes), 64), dtype=torch.uint8)
+        batch._ws[("paged_prefill", KVH, D, is_bf16)] = ws
+    fn = lib.paged_prefill_bf16 if is_bf16 else lib.paged_prefill_f32
+    rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
+            batch.block_tables.shape[1], batch.q_starts.data_ptr(), batch.q_lens.data_ptr(), batch.seq_lens.data_ptr(),
+            batch.q_starts.shape[0], out.data_ptr(), H, KVH, D, BS, float(scale), int(window or 0), ws.data_ptr())
+    return rc == 0

@@ -7,7 +7,8 @@ Token ``t`` of a request lives at slot ``block_table[t // block_size] * block_si
 Per step, the runner flattens all scheduled tokens of all requests into ``num_tokens`` rows (request order), and
 builds one ``AttentionMetadata`` shared by every layer. Requests with a single query token (decode) are attended in
 one batched call (``cpu_kernels.paged_decode``); requests with several query tokens (prefill chunks) all in one call
-of the AMX kernel (``cpu_kernels.prefill_attention``) where it runs, else one torch SDPA call each.
+of the AMX kernel (``cpu_kernels.prefill_attention``) where it runs, else of ours (``cpu_kernels.paged_prefill``,
+chunk-invariant), else (level ``none``, ``batch_invariant`` off) one torch SDPA call each.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernels import paged_decode, prefill_attention
+from pagedllm.attention.cpu_kernels import paged_decode, paged_prefill, prefill_attention
 
 
 @dataclass
@@ -131,6 +132,7 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: Optional[int] = None,
     verify: Optional[Sequence[bool]] = None,
+    prefill_rows: Optional[Sequence[int]] = None,
 ) -> AttentionMetadata:
     """Builds the metadata (and the masks every layer reuses) for one step.
 
@@ -147,6 +149,13 @@ def build_attention_metadata(
             decode kernel exactly as the plain decode step at that position would (bit for bit: greedy output is
             the same with and without speculation), never the multi-query prefill path with its other reduction
             order. Example: ``query_lens [3]``, ``seq_lens [10]``, verify -> decode entries with 8, 9, 10 keys.
+        prefill_rows: per request, how many of its rows (the first ones) are prefill rows: prompt tokens; the rest,
+            tokens it generated (recomputed after a preemption, or verified), are decode entries as with ``verify``.
+            So a row's kernel follows what its token is, never how the step cut the request: a one-token prompt
+            chunk is a prefill row, a recomputed output token is computed as its decode step computed it. Overrides
+            ``verify``; default: no rows for a request with one new token or ``verify``, else all of them.
+            Example: ``query_lens [5]``, ``seq_lens [5]``, ``prefill_rows [3]`` -> a prefill slice of rows 0-2
+            (context 3), decode entries for rows 3 and 4 with 4 and 5 keys.
     """
     num_reqs = len(query_lens)
     qsl = [0]
@@ -154,14 +163,16 @@ def build_attention_metadata(
         qsl.append(qsl[-1] + q)
     num_tokens = qsl[-1]
     block_tables = block_tables.to(torch.int64)
-    is_dec = [q == 1 or bool(verify and verify[i]) for i, q in enumerate(query_lens)]
-    decode_idx = [i for i, d in enumerate(is_dec) if d]
+    if prefill_rows is None:
+        prefill_rows = [0 if q == 1 or (verify and verify[i]) else q for i, q in enumerate(query_lens)]
+    n_pre = [min(max(int(p), 0), q) for p, q in zip(prefill_rows, query_lens)]
+    decode_idx = [i for i, (p, q) in enumerate(zip(n_pre, query_lens)) if p < q]
     decode = None
     if decode_idx:
         n_dec = len(decode_idx)
-        all_rows = n_dec == num_reqs
+        all_rows = n_dec == num_reqs and not any(n_pre)
         max_blocks = (max(seq_lens[i] for i in decode_idx) + block_size - 1) // block_size
-        if n_dec == sum(query_lens[i] for i in decode_idx):  # one row each: plain decodes
+        if n_dec == sum(query_lens[i] - n_pre[i] for i in decode_idx) and not any(n_pre[i] for i in decode_idx):
             if all_rows:
                 rows = torch.arange(num_reqs, dtype=torch.int64)
                 bt = block_tables
@@ -170,9 +181,9 @@ def build_attention_metadata(
                 rows = torch.tensor([qsl[i] for i in decode_idx], dtype=torch.int64)
                 bt = block_tables[decode_idx]
                 sl = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int64)
-        else:  # verify rows: one decode entry per row (see ``verify``)
-            counts = np.asarray([query_lens[i] for i in decode_idx], dtype=np.int64)
-            first = np.asarray([qsl[i] for i in decode_idx], dtype=np.int64)
+        else:  # verify rows, recomputed output tokens: one decode entry per row (see ``verify``, ``prefill_rows``)
+            counts = np.asarray([query_lens[i] - n_pre[i] for i in decode_idx], dtype=np.int64)
+            first = np.asarray([qsl[i] + n_pre[i] for i in decode_idx], dtype=np.int64)
             ends = np.asarray([seq_lens[i] for i in decode_idx], dtype=np.int64)
             offs = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
             rows_np = np.repeat(first, counts) + offs
@@ -185,10 +196,10 @@ def build_attention_metadata(
         decode = DecodeBatch(token_rows=rows, block_tables=bt, seq_lens=sl, block_size=block_size,
                              sliding_window=sliding_window, all_rows=all_rows)
     prefills = []
-    for i, q in enumerate(query_lens):
-        if is_dec[i]:
+    for i, q in enumerate(n_pre):
+        if q == 0:
             continue
-        s = seq_lens[i]
+        s = seq_lens[i] - (query_lens[i] - q)  # context after its last prefill row
         cached = s - q
         block_ids = None
         mask = None
@@ -202,7 +213,7 @@ def build_attention_metadata(
                 mask_w = causal & (kpos > qpos - sliding_window)
         if cached > 0:
             block_ids = block_tables[i, : (s + block_size - 1) // block_size]
-        prefills.append(PrefillSlice(i, qsl[i], qsl[i + 1], s, block_ids, mask, mask_w))
+        prefills.append(PrefillSlice(i, qsl[i], qsl[i] + q, s, block_ids, mask, mask_w))
     prefill_batch = None
     if prefills:
         idx = [p.req_index for p in prefills]
@@ -293,9 +304,11 @@ class Attention(torch.nn.Module):
             )  # [n, H, 1, D]
             out.index_copy_(0, dec.token_rows, od.view(n, H, D))
         prefills = meta.prefills
-        if prefills and prefill_attention(q, k_cache, v_cache, meta.prefill_batch, out, self.scale,
-                                          self.sliding_window):
-            prefills = ()  # all of them in one call of the AMX kernel, straight from the paged cache
+        if prefills and (prefill_attention(q, k_cache, v_cache, meta.prefill_batch, out, self.scale,
+                                           self.sliding_window)
+                         or paged_prefill(q, k_cache, v_cache, meta.prefill_batch, out, self.scale,
+                                          self.sliding_window)):
+            prefills = ()  # all of them in one call of the AMX kernel (or ours), straight from the paged cache
         for p in prefills:
             qp = q[p.q_start : p.q_end].transpose(0, 1)  # [H, q_len, D]
             if p.block_ids is None:

@@ -30,6 +30,7 @@ class Library:
 
 
 _DECODE = Fn((P,) * 4 + (I64,) + (P,) * 3 + (I32,) * 5 + (F32, I32, I64))
+_PREFILL = Fn((P, I64, P, P, P, I64, P, P, P, I32, P, I32, I32, I32, I32, F32, I32, P), I32)
 _RMS = Fn((P,) * 5 + (I64, I64, F32))
 _ROPE = Fn((P, I64, P, I64, P, P, P, I64, I32, I32, I32))
 _ROWS = Fn((P, P, I64, I64))
@@ -45,8 +46,10 @@ _FAST_MATH = ("-O3", "-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math
               "-fexcess-precision=fast", "-fopenmp")
 
 LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
-    Library("cpu", ("paged_decode.c", "cpu_ops.c"), ("amx", "avx512_bf16", "avx2"), {
+    Library("cpu", ("paged_decode.c", "paged_prefill.c", "cpu_ops.c"), ("amx", "avx512_bf16", "avx2"), {
         "paged_decode_bf16": _DECODE, "paged_decode_f32": _DECODE, "paged_decode_use_amx": Fn((I32,)),
+        "paged_prefill_ws_bytes": Fn((P, I32, I32, I32, I32), I64),
+        "paged_prefill_bf16": _PREFILL, "paged_prefill_f32": _PREFILL,
         "add_rms_norm_bf16": _RMS, "add_rms_norm_f32": _RMS,
         "rope_cache_bf16": _ROPE, "rope_cache_f32": _ROPE,
         "argmax_rows_f32": _ROWS, "argmax_rows_bf16": _ROWS, "silu_mul_bf16": _ROWS, "silu_mul_f32": _ROWS,

@@ -17,6 +17,18 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
                       int KVH, int D, int BS, float scale, int window, int64_t q_stride);
 void paged_decode_use_amx(int on); /* no-op below level amx */
 
+/* ---- paged_prefill.c: chunk-invariant prefill attention (where the AMX kernel doesn't run) ---- */
+int64_t paged_prefill_ws_bytes(const int64_t *seq_lens, int n, int KVH, int D, int is_bf16);
+/* 0, or -1 (nothing done) for a shape it doesn't take (D odd or > 256, H / KVH > 16) or a build without SIMD */
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *block_tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
+                       const int64_t *seq_lens, int n, uint16_t *out, int H, int KVH, int D, int BS, float scale,
+                       int window, void *ws);
+int paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                      const int64_t *block_tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
+                      const int64_t *seq_lens, int n, float *out, int H, int KVH, int D, int BS, float scale,
+                      int window, void *ws);
+
 /* ---- cpu_ops.c: fused element-wise passes ---- */
 void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out,
                        uint16_t *residual_out, int64_t rows, int64_t H, float eps);
