@@ -251,19 +251,19 @@ class ModelRunner:
         positions = torch.from_numpy(pos_np).to(self.device)
         slot_mapping = torch.from_numpy(slot_np).to(self.device)
         block_tables = torch.from_numpy(bt_np).to(self.device)
-        # Speculating requests: their 1 + k verify rows are decode rows (attention and int4 kernels), so each row
-        # is computed exactly as the plain decode step at its position would compute it.
-        spec = sched.scheduled_spec_decode_tokens
-        verify = [bool(spec.get(rid)) for rid in req_ids] if spec else None
+        # A row's kind follows its token: prompt tokens are prefill rows, generated tokens decode rows (attention
+        # and int4 kernels), however the step cut the request. So a speculating request's 1 + k verify rows, and
+        # output tokens recomputed after a preemption, are computed exactly as the plain decode step at their
+        # position computed them, and a one-token prompt chunk as the prompt's other chunks.
+        prefill_rows = [min(max(len(st.prompt_token_ids) - s, 0), q) for st, s, q in zip(states, starts, query_lens)]
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, slot_mapping, bs, self.sliding_window,
-                                        verify)
+                                        prefill_rows=prefill_rows)
         if self.num_groups > 1:  # each group's layers read and write through the group's own block tables
-            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np, verify)
+            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows)
                               for g in range(1, self.num_groups)]
             meta = [metas[g] for g in self.layout.layer_group]
 
-        decode = [q == 1 or v for q, v in zip(query_lens, verify)] if verify else None
-        with step_rows(query_lens, decode):  # which rows are decode / prefill (int4 linears' kernel per row kind)
+        with step_rows(query_lens, prefill_rows=prefill_rows):  # int4 linears' kernel per row kind
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # Rows that sample: their last scheduled token is the last known token.
@@ -357,7 +357,7 @@ class ModelRunner:
             spec_token_cost=spec_cost,
         )
 
-    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, verify=None):
+    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows):
         """Attention metadata of KV cache group ``group`` >= 1 (its block tables and slots; same tokens)."""
         bs = self.block_size
         tables = [st.group_block_ids[group - 1] for st in states]
@@ -367,7 +367,8 @@ class ModelRunner:
         slot_np = bt_np[req_idx_np, pos_np // bs] * bs + pos_np % bs
         return build_attention_metadata(query_lens, seq_lens, torch.from_numpy(bt_np).to(self.device),
                                         torch.from_numpy(slot_np).to(self.device), bs,
-                                        self.layout.group_windows[group] or self.sliding_window, verify)
+                                        self.layout.group_windows[group] or self.sliding_window,
+                                        prefill_rows=prefill_rows)
 
     def _prompt_logprobs(self, states, starts, query_lens, qsl, hidden) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens 1..P-1 (position p predicts token p+1), for requests that asked for them."""

@@ -240,20 +240,29 @@ _step = threading.local()
 
 
 @contextmanager
-def step_rows(query_lens: list[int], decode: Optional[list[bool]] = None) -> Iterator[None]:
+def step_rows(query_lens: list[int], decode: Optional[list[bool]] = None,
+              prefill_rows: Optional[list[int]] = None) -> Iterator[None]:
     """The model runner marks the step's rows around the model's forward (``query_lens``: new tokens per request,
     in row order), so int4 linears can give each row its kernel by its kind, not by how many rows share the call.
     ``decode``: which requests decode (default: those with one new token); a speculating request's 1 + k verify
-    rows are decode rows, so they take the kernel its plain decode steps take (greedy output stays identical)."""
+    rows are decode rows, so they take the kernel its plain decode steps take (greedy output stays identical).
+    ``prefill_rows`` (overrides ``decode``): per request, how many of its rows (the first) are prefill rows, the
+    rest decode rows (``build_attention_metadata``'s argument of that name: prompt tokens vs generated ones)."""
     n = sum(query_lens)
-    dec = decode if decode is not None else [q == 1 for q in query_lens]
-    n_dec = sum(1 for d in dec if d)
-    if n_dec == len(query_lens):
+    if prefill_rows is None:
+        dec = decode if decode is not None else [q == 1 for q in query_lens]
+        prefill_rows = [0 if d else q for d, q in zip(dec, query_lens)]
+    n_pre = sum(prefill_rows)
+    if n_pre == 0:
         rows = StepRows(n, ALL, None)
-    elif n_dec == 0:
+    elif n_pre == n:
         rows = StepRows(n, None, ALL)
     else:
-        is_dec = np.repeat(np.array(dec, dtype=bool), query_lens)
+        is_dec = np.ones(n, dtype=bool)
+        at = 0
+        for p, q in zip(prefill_rows, query_lens):
+            is_dec[at:at + p] = False
+            at += q
         rows = StepRows(n, torch.from_numpy(np.flatnonzero(is_dec)), torch.from_numpy(np.flatnonzero(~is_dec)))
     prev = getattr(_step, "rows", None)
     _step.rows = rows
