@@ -227,3 +227,52 @@ def test_catch_up_skips_the_accepted_drafts_kv(tiny_pair):
     assert drafted == drafted_too > 40
     # per verify step of 4 accepted drafts: 2 catch-up rows instead of 6 (plus the prompts' rows, the same)
     assert with_skip < without - drafted // 2, runs
+
+
+def test_draft_steps_aside_under_load_and_catches_up_lazily(tiny_pair):
+    """Above ``max_drafting_reqs`` requests (default budget: 4) the draft runs no forward at all, so speculation
+    costs nothing under load; when the batch shrinks, each request's catch-up computes the draft K/V it lacks
+    (``draft_computed``) and the target's copy is accepted > 90% (its lazily filled KV is right), output identical.
+    A prompt asked again finds the draft K/V of its full cached blocks (``valid_blocks``): its catch-up starts
+    there."""
+    llm, _, same = tiny_pair
+    prompts = _prompts()
+    sps = [SamplingParams(temperature=0.0, max_tokens=4 + 9 * i, ignore_eos=True) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps,
+                                                        use_tqdm=False)]
+    eng = llm.with_engine_args(speculative_config={"method": "draft_model", "model": same,
+                                                   "num_speculative_tokens": 4}, block_size=4)
+    drafter = eng.llm_engine.engine_core.runner.drafter
+    assert drafter.max_num_reqs == 4
+    calls, rows = [], []
+    propose, forward = drafter.propose, drafter.draft.forward
+
+    def counted_propose(states, *a, **kw):
+        n = len(rows)
+        out = propose(states, *a, **kw)
+        calls.append((len(states), len(rows) - n))
+        return out
+
+    def counted_forward(ids, *a, **kw):
+        rows.append(ids.shape[0])
+        return forward(ids, *a, **kw)
+
+    drafter.propose, drafter.draft.forward = counted_propose, counted_forward
+    try:
+        got = [o.outputs[0].token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sps,
+                                                            use_tqdm=False)]
+        assert got == ref
+        assert all(f == 0 for n, f in calls if n > 4), calls  # stepped aside: no draft forward
+        assert any(f > 0 for n, f in calls if n <= 4), calls
+        st = eng.llm_engine.engine_core.scheduler.spec_stats
+        assert st.num_draft_tokens > 30 and st.num_accepted_tokens > 0.9 * st.num_draft_tokens, st
+        # the longest prompt again, alone: its full blocks are prefix hits whose draft K/V is there
+        p = max(prompts, key=len)
+        assert len(p) >= 12
+        rows.clear()
+        sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        again = eng.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert again == llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert rows[0] < len(p) - 4, rows  # the first catch-up skipped the cached blocks
+    finally:
+        del drafter.propose, drafter.draft.forward

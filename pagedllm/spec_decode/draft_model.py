@@ -5,15 +5,17 @@ as stored) from ``SpeculativeConfig.draft_model_config``, once per target model 
 the same loaded target with ``LLM.with_engine_args`` share it).
 
 KV cache: the draft has its own paged cache (its own layers, heads and bytes per block), indexed by the target's
-block tables (the same block ids), so prefix caching, preemption and freeing need no bookkeeping of their own: every
-token the target computes and keeps, the draft computes too in the same step, so a block the target holds for a
-request holds the draft's K/V of the same tokens (a prefix-cache hit is also one for the draft). After sampling,
-``propose`` runs the draft once over every scheduled request's tokens of this step (the accepted ones and, for a
-request that drafts, its new token, whose logits give the first draft token: the catch-up and the first draft step
-in one forward), then ``k - 1`` greedy decode steps for the requests that draft. Their K/V go to the request's own
-blocks where it has them and past its last block into scratch blocks (``scratch_blocks_per_row`` per drafting row,
-after the target's ``num_blocks``); the next step's catch-up rewrites those positions in the target's blocks, and
-skips the accepted drafts whose K/V is in those blocks already (``CachedRequestState.draft_kv``).
+block tables (the same block ids). The draft computes a request's tokens only when it drafts for it, lazily: each
+request records how far the draft's K/V of its tokens is computed (``CachedRequestState.draft_computed``), and
+``valid_blocks`` holds the blocks whose draft K/V is complete, so a prefix-cache hit on such blocks is one for the
+draft too (``admit``; a block allocated afresh leaves the set, ``forget``). So a step that drafts for nobody (a batch
+above ``max_drafting_reqs``, where speculation steps aside, or requests whose acceptance turned it off) runs no draft
+forward at all, and under load speculation costs nothing. After sampling, ``propose`` runs the draft once over each
+drafting request's tokens it lacks (the catch-up: its accepted drafts and its new token, whose logits give the first
+draft token; after a pause, everything since it last drafted), then ``k - 1`` greedy decode steps. Their K/V go to
+the request's own blocks where it has them and past its last block into scratch blocks (``scratch_blocks_per_row``
+per drafting row, after the target's ``num_blocks``); the next step's catch-up rewrites those positions in the
+target's blocks, and skips the accepted drafts whose K/V is in those blocks already (``CachedRequestState.draft_kv``).
 ``determine_num_blocks`` counts the draft's bytes per block and its scratch blocks inside the KV budget
 (``draft_kv_bytes``).
 
@@ -88,7 +90,7 @@ class DraftModelDrafter:
             their sliding windows differ (the draft attends with the target's attention metadata).
     """
 
-    mirrors = True  # computes the target's tokens too: propose takes the step's starts and query lengths
+    mirrors = True  # computes the target's tokens too (lazily): propose takes the step's starts and query lengths
     method = "draft_model"
 
     def __init__(self, config, runner, draft: nn.Module, layout, dtype: torch.dtype) -> None:
@@ -111,14 +113,36 @@ class DraftModelDrafter:
         caches = allocate_kv_caches(layout.slot_specs, self.num_blocks + self.max_num_reqs * self.scratch,
                                     self.block_size, dtype, runner.device)
         self.kv_caches = [caches[s] for s in layout.layer_slot]
+        self.valid_blocks: set[int] = set()  # blocks whose draft K/V holds all their tokens
+
+    def admit(self, st, num_cached_tokens: int) -> None:
+        """A request (re)enters with its first ``num_cached_tokens`` tokens in blocks it found (prefix-cache hits);
+        its other blocks are new. Its draft K/V counts as computed over the leading found blocks the draft had
+        computed (``valid_blocks``)."""
+        bs = self.block_size
+        hits = min(num_cached_tokens // bs, len(st.block_ids))
+        self.forget(st.block_ids[hits:])
+        n = 0
+        while n < hits and st.block_ids[n] in self.valid_blocks:
+            n += 1
+        st.draft_computed = n * bs
+        st.draft_kv = None
+
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Blocks allocated afresh: whatever draft K/V they held is not theirs any more."""
+        for b in block_ids:
+            self.valid_blocks.discard(b)
 
     def _first_to_compute(self, st, toks: Sequence[int], start: int, end: int) -> int:
-        """The first of a request's positions ``[start, end)`` the draft computes this step. Where the last step
-        drafted for it, the draft's K/V of that step's new token and of its draft tokens is in the request's blocks
-        already (``st.draft_kv``); of them, that new token's and those of the drafts this step accepted (``toks``
-        but its last token) hold the right tokens, so rows start after them: a fully accepted draft of ``k``
-        costs 2 rows instead of ``k + 2``, a rejected one 1. The same blocks must still hold them (not after a
-        preemption), and one row is always computed."""
+        """The first of a drafting request's positions ``[.., end)`` the draft computes this step: from
+        ``st.draft_computed`` where it lags the step's ``start`` (a pause), else from ``start``, or after it where
+        the last step drafted for it: the draft's K/V of that step's new token and of its draft tokens is in the
+        request's blocks already (``st.draft_kv``); of them, that new token's and those of the drafts this step
+        accepted (``toks`` but its last token) hold the right tokens, so rows start after them: a fully accepted
+        draft of ``k`` costs 2 rows instead of ``k + 2``, a rejected one 1. The same blocks must still hold them
+        (not after a preemption), and one row is always computed."""
+        if st.draft_computed < start:
+            return st.draft_computed
         rec = st.draft_kv
         if rec is None or not toks or rec[0] != start:
             return start
@@ -149,47 +173,47 @@ class DraftModelDrafter:
         limits = limits or [self.k] * n_all
         idx = [i for i, (st, toks, lim) in enumerate(zip(states, sampled, limits))
                if drafting and toks and lim > 0 and getattr(st.sampling_params, "structured_outputs", None) is None]
-        # Rows up to: a drafting request's last token (its new one, whose logits draft); another one's tokens the
-        # target computed and kept (its new token has no slot yet: the next step computes it).
-        ends = [s + q if not toks else len(st.token_ids) - 1 for st, toks, s, q in
-                zip(states, sampled, starts, query_lens)]
-        for i in idx:
-            ends[i] += 1
-        firsts = [self._first_to_compute(st, toks, s, e) for st, toks, s, e in zip(states, sampled, starts, ends)]
+        d_states = [states[i] for i in idx]
+        # Rows of each drafting request: from what its draft K/V lacks up to its new token (whose logits draft).
+        ends = [len(st.token_ids) for st in d_states]
+        firsts = [self._first_to_compute(st, sampled[i], starts[i], e) for st, i, e in zip(d_states, idx, ends)]
+        for st in states:
+            st.draft_kv = None
+        if not idx:  # nobody drafts: no draft forward (the requests' draft K/V waits for their next draft)
+            return out
         qd = [e - s for e, s in zip(ends, firsts)]
-        width = max(len(st.block_ids) for st in states) + self.scratch
-        bt_np = np.zeros((n_all, width), dtype=np.int64)
-        for i, st in enumerate(states):
-            ids = st.block_ids
-            bt_np[i, :len(ids)] = ids
-        for j, i in enumerate(idx):  # drafting rows write past their last block into their scratch blocks
-            n_ids = len(states[i].block_ids)
-            bt_np[i, n_ids:n_ids + self.scratch] = self.num_blocks + j * self.scratch + np.arange(self.scratch)
+        n = len(idx)
+        width = max(len(st.block_ids) for st in d_states) + self.scratch
+        bt_np = np.zeros((n, width), dtype=np.int64)
+        for j, st in enumerate(d_states):  # past its last block a drafting row writes into its scratch blocks
+            n_ids = len(st.block_ids)
+            bt_np[j, :n_ids] = st.block_ids
+            bt_np[j, n_ids:n_ids + self.scratch] = self.num_blocks + j * self.scratch + np.arange(self.scratch)
         block_tables = torch.from_numpy(bt_np)
         q_arr = np.asarray(qd, dtype=np.int64)
-        req_np = np.repeat(np.arange(n_all, dtype=np.int64), q_arr)
+        req_np = np.repeat(np.arange(n, dtype=np.int64), q_arr)
         pos_np = np.repeat(np.asarray(firsts, dtype=np.int64), q_arr) + (
             np.arange(int(q_arr.sum()), dtype=np.int64) - np.repeat(np.cumsum(q_arr) - q_arr, q_arr))
-        ids = [t for st, s, e in zip(states, firsts, ends) for t in st.token_ids[s:e]]
+        ids = [t for st, s, e in zip(d_states, firsts, ends) for t in st.token_ids[s:e]]
         slots = torch.from_numpy(bt_np[req_np, pos_np // bs] * bs + pos_np % bs)
         small = [q <= self.k + 2 for q in qd]  # a decode or a speculating request's few rows: decode kernels
         meta = build_attention_metadata(qd, ends, block_tables, slots, bs, self.sliding_window, small)
         with step_rows(qd, small):
             hidden = self.draft(torch.tensor(ids, dtype=torch.int64), torch.from_numpy(pos_np), self.kv_caches,
                                 meta)
-        for st in states:
-            st.draft_kv = None
-        if not idx:
-            return out
-        n = len(idx)
-        last = torch.from_numpy(np.cumsum(q_arr)[idx] - 1)
+        for st, e in zip(d_states, ends):  # computed up to (not counting) the new token, which draft_kv covers
+            done = e - 1
+            for b in range(st.draft_computed // bs, min(done // bs, len(st.block_ids))):
+                self.valid_blocks.add(st.block_ids[b])
+            st.draft_computed = max(st.draft_computed, done)
+        last = torch.from_numpy(np.cumsum(q_arr) - 1)
         tokens = argmax_rows(self.draft.compute_logits(hidden.index_select(0, last)))
         lim = np.minimum(np.asarray([limits[i] for i in idx], dtype=np.int64), self.k)
         mats = []  # (rows of idx, [rows, steps] tokens) per run of steps with the same drafting rows
         alive = np.arange(n)  # positions in idx still drafting
         drafts = [tokens]
-        bt_all = bt_np[idx]
-        pos_all = np.asarray([ends[i] for i in idx], dtype=np.int64)  # the first draft token's position
+        bt_all = bt_np
+        pos_all = np.asarray(ends, dtype=np.int64)  # the first draft token's position
         for step in range(1, int(lim.max())):
             keep = lim[alive] > step
             if not keep.all():  # rows at their limit leave: later steps run the others only
@@ -211,8 +235,8 @@ class DraftModelDrafter:
         if drafts:
             mats.append((alive, torch.stack(drafts, dim=1)))
         for j, i in enumerate(idx):  # the K/V this step left in the request's own blocks: its new token's, its drafts'
-            st, first = states[i], ends[i] - 1
-            end = min(ends[i] + int(lim[j]) - 1, len(st.block_ids) * bs)
+            st, first = states[i], ends[j] - 1
+            end = min(ends[j] + int(lim[j]) - 1, len(st.block_ids) * bs)
             if end > first:
                 st.draft_kv = (first, end, tuple(st.block_ids[first // bs:(end + bs - 1) // bs]))
         for rows_, mat in mats:  # a row's tokens: its pieces of every run it was in, in order

@@ -57,6 +57,8 @@ class CachedRequestState:
     # A model drafter's record of the draft K/V it left in this request's blocks (``DraftModelDrafter``): None, or
     # (first position, end position, the block ids holding them); cleared on preemption.
     draft_kv: Optional[tuple[int, int, tuple[int, ...]]] = field(default=None, repr=False)
+    # How many of its first tokens a model drafter's K/V holds (``DraftModelDrafter``: it computes them lazily).
+    draft_computed: int = 0
 
     def __post_init__(self) -> None:
         self.sampler_state = SamplerRequestState(
@@ -156,6 +158,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.drafter = make_drafter(spec_cfg, self, draft_model) if spec_cfg is not None else None
+        self._draft_blocks = getattr(self.drafter, "mirrors", False)  # a drafter tracking its K/V per block
         self.spec_costs = StepCosts()
 
     # ------------------------------------------------------------------ state updates
@@ -181,6 +184,8 @@ class ModelRunner:
             if self.num_groups > 1:
                 self.requests[nr.req_id].group_block_ids = [
                     list(ids) for ids in sched.new_group_block_ids[nr.req_id]]
+            if self._draft_blocks:
+                self.drafter.admit(self.requests[nr.req_id], nr.num_computed_tokens)
         for cr in sched.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
             st.num_computed_tokens = cr.num_computed_tokens
@@ -188,6 +193,8 @@ class ModelRunner:
             if cr.resumed_from_preemption:
                 st.block_ids = list(cr.new_block_ids)
                 st.draft_kv = None
+                if self._draft_blocks:
+                    self.drafter.admit(st, cr.num_computed_tokens)
                 if self.num_groups > 1:
                     st.group_block_ids = [list(ids) for ids in group_ids]
                 if cr.all_token_ids is not None and len(cr.all_token_ids) != len(st.token_ids):
@@ -195,6 +202,8 @@ class ModelRunner:
                     st.sampler_state.output_token_ids[:] = st.token_ids[len(st.prompt_token_ids):]
             else:
                 st.block_ids.extend(cr.new_block_ids)
+                if self._draft_blocks and cr.new_block_ids:
+                    self.drafter.forget(cr.new_block_ids)
                 new_ids = cr.new_token_ids
                 if new_ids:  # pipeline parallel: tokens sampled on the output rank (which has them already)
                     missing = (max(cr.num_computed_tokens, len(st.prompt_token_ids)) + len(new_ids)
