@@ -594,7 +594,9 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
             R("spec_draft_model", "llamacpp", "", False, None, "server did not start: boom"),
             R("spec_load_base", "pagedllm", "x", True, {"levels": [{"output_throughput": 400.0}]}),
             R("spec_load_ngram", "pagedllm", "x", True,
-              {"levels": [{"output_throughput": 392.0, "spec_decode": {"acceptance_rate": 0.5}}]})]
+              {"levels": [{"output_throughput": 392.0, "spec_decode": {"acceptance_rate": 0.5}}]}),
+            R("spec_load_self_int4", "pagedllm", "x", True,  # stepped aside: no drafts, NaN acceptance
+              {"levels": [{"output_throughput": 396.0, "spec_decode": {"acceptance_rate": float("nan")}}]})]
     rows = {(r.method, r.engine): r for r in S.spec_rows(runs)}
     assert rows[("ngram", "pagedllm")].speedup == pytest.approx(2.5)
     assert rows[("ngram", "pagedllm")].identical == (2, 3)
@@ -604,7 +606,8 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
     assert "| ngram (`code-edit`) | pagedllm | 100.0 | 250.0 | **2.50x** | 0.80 | 4.50 | 2 of 3 |" in table
     assert "| ngram | 250.0 | **2.50x** | — | 1.25x |" in table  # 250 vs vLLM's 100 tok/s; speed-ups 2.5 / 2.0
     assert "| ngram | 400.0 | 392.0 | **98.0%** | 0.50 |" in table  # under load: 2% lost
-    assert S.load_rows(runs) == [("ngram", 400.0, 392.0, 0.5)]
+    assert "| self_int4 | 400.0 | 396.0 | **99.0%** | — |" in table
+    assert S.load_rows(runs) == [("ngram", 400.0, 392.0, 0.5), ("self_int4", 400.0, 396.0, None)]
 
     md = tmp_path / "RESULTS.md"
     info = {"cpu": "x", "isa_level": "amx"}

@@ -27,6 +27,7 @@ section alone leaves the main table of the same CPU and model as it was.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -150,7 +151,7 @@ def run_speculative(ns, out_dir: str, runs: list, server_cmds: dict) -> None:
             continue
         datasets = list(dict.fromkeys(WORKLOAD[m] for m in todo))
         ours = eng == "pagedllm"
-        extra = C.OURS_BF16 if ours else []
+        extra: list[str] = []  # ours runs bf16 (compare's OURS_FLAGS), as vLLM does
         base = tuple(base_section(d) for d in datasets) + ((load_section(None),) if ours else ())
         srv = C._start(ns, eng, out_dir, server_cmds, base, runs, extra=tuple(extra), tag="no speculation",
                        llama_parallel=1)
@@ -177,6 +178,11 @@ def run_speculative(ns, out_dir: str, runs: list, server_cmds: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ tables
+def _rate(x: Optional[float]) -> Optional[float]:
+    """An acceptance figure, None where there was nothing to measure (no drafts: the server reports NaN)."""
+    return None if x is None or math.isnan(x) else x
+
+
 def _tps(lv: Optional[dict]) -> Optional[float]:
     return 1000.0 / lv["mean_tpot_ms"] if lv and lv.get("mean_tpot_ms") else None
 
@@ -214,8 +220,8 @@ def spec_rows(runs: list) -> list[SpecRow]:
                 continue
             base = C._level(C._get(runs, base_section(WORKLOAD[m]), eng))
             sd = spec.get("spec_decode") or {}
-            rows.append(SpecRow(m, eng, _tps(base), _tps(spec), sd.get("acceptance_rate"),
-                                sd.get("mean_acceptance_length"), _identical(base, spec)))
+            rows.append(SpecRow(m, eng, _tps(base), _tps(spec), _rate(sd.get("acceptance_rate")),
+                                _rate(sd.get("mean_acceptance_length")), _identical(base, spec)))
     return rows
 
 
@@ -272,7 +278,7 @@ def load_rows(runs: list) -> list[tuple[str, Optional[float], Optional[float], O
         if lv is None:
             continue
         rows.append((m, base and base.get("output_throughput"), lv.get("output_throughput"),
-                     (lv.get("spec_decode") or {}).get("acceptance_rate")))
+                     _rate((lv.get("spec_decode") or {}).get("acceptance_rate"))))
     return rows
 
 
