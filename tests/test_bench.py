@@ -376,6 +376,28 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     assert again.split("<!-- end section: ")[0] == both.split("<!-- end section: ")[0]
 
 
+def _fake_servers_and_benches(monkeypatch, hf_export_dir) -> tuple[list, list]:
+    """Every peer installed, servers that start at once, bench runs recorded: (server commands started, (section,
+    engine, command) of each bench run), filled as compare runs."""
+    started, benches = [], []
+
+    class FakeServer:
+        base_url = "http://127.0.0.1:1"
+        start_seconds = 0.0
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(C.P, "vllm_bin", lambda: "/x/vllm")
+    monkeypatch.setattr(C.P, "llama_server_bin", lambda: "/x/llama-server")
+    monkeypatch.setattr(C.P, "hf_export_dir", hf_export_dir)
+    monkeypatch.setattr(C.P, "vllm_env", lambda: {})
+    monkeypatch.setattr(C.P, "start_server", lambda name, cmd, *a, **k: started.append(cmd) or FakeServer())
+    monkeypatch.setattr(C, "_run_json", lambda section, eng, cmd, *a, **k: benches.append((section, eng, cmd))
+                        or C.Run(section, eng, "y", ok=True))
+    return started, benches
+
+
 def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
     """The structured section's rows (throughput vs vLLM, valid rate, cost of constraining, what a new schema adds to
     TTFT), and --model: ours and llama.cpp get the GGUF, vLLM its bf16 export, bench serve its tokenizer."""
@@ -413,22 +435,8 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
     ns.peers = ns.peers.split(",")
     ns.gguf = "/models/qwen.gguf"
     assert C.P.hf_export_name(ns.gguf) == "qwen-hf-bf16"
-    started, benches = [], []
-
-    class FakeServer:
-        base_url = "http://127.0.0.1:1"
-        start_seconds = 0.0
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(C.P, "vllm_bin", lambda: "/x/vllm")
-    monkeypatch.setattr(C.P, "llama_server_bin", lambda: "/x/llama-server")
-    monkeypatch.setattr(C.P, "hf_export_dir", lambda gguf=None: "/x/qwen-hf" if gguf == ns.gguf else None)
-    monkeypatch.setattr(C.P, "vllm_env", lambda: {})
-    monkeypatch.setattr(C.P, "start_server", lambda name, cmd, *a, **k: started.append(cmd) or FakeServer())
-    monkeypatch.setattr(C, "_run_json", lambda section, eng, cmd, *a, **k: benches.append((section, eng, cmd))
-                        or C.Run(section, eng, "y", ok=True))
+    started, benches = _fake_servers_and_benches(monkeypatch,
+                                                 lambda gguf=None: "/x/qwen-hf" if gguf == ns.gguf else None)
     runs = []
     C.run_serving(ns, str(tmp_path), runs, {}, structured=True, serve=True)
     ours, vllm, llama = (next(c for c in started if k in " ".join(c)) for k in ("pagedllm", "/x/vllm", "llama"))
@@ -533,23 +541,8 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
     ns.command_line = "pagedllm bench compare --sections speculative"
     with pytest.raises(SystemExit, match="unknown eagle"):
         C._spec_methods("ngram,eagle")
-    started, benches = [], []
-
-    class FakeServer:
-        base_url = "http://127.0.0.1:1"
-        start_seconds = 0.0
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(C.P, "vllm_bin", lambda: "/x/vllm")
-    monkeypatch.setattr(C.P, "llama_server_bin", lambda: "/x/llama-server")
-    monkeypatch.setattr(C.P, "hf_export_dir", lambda gguf=None: f"/x/{os.path.basename(gguf)}-hf")
-    monkeypatch.setattr(C.P, "vllm_env", lambda: {})
+    started, benches = _fake_servers_and_benches(monkeypatch, lambda gguf=None: f"/x/{os.path.basename(gguf)}-hf")
     monkeypatch.setattr(S, "draft_gguf", lambda ns: "/models/qwen2.5-coder-0.5b-instruct.gguf")
-    monkeypatch.setattr(C.P, "start_server", lambda name, cmd, *a, **k: started.append(cmd) or FakeServer())
-    monkeypatch.setattr(C, "_run_json", lambda section, eng, cmd, *a, **k: benches.append((section, eng, cmd))
-                        or C.Run(section, eng, "y", ok=True))
     runs, cmds = [], {}
     S.run_speculative(ns, str(tmp_path), runs, cmds)
     # ours: one baseline server (code-edit and chat), then ngram, draft_model, self_int4; vLLM: baseline, ngram,
