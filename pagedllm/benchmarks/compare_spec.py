@@ -12,8 +12,10 @@ without speculation (the baseline of its own speed-up) and once per method, on t
   llama.cpp on the GGUF (``--model-draft``, ``--spec-draft-n-max``).
 * ``self_int4`` (ours only: no peer has it) on ``chat``, ``DRAFT_K`` tokens a draft.
 
-Ours also runs under load on each of those servers (``chat`` at ``LOAD_CONCURRENCY`` clients): what speculation
-costs when the batch is full and it should step aside.
+Ours also runs under load (``chat`` at ``LOAD_CONCURRENCY`` clients): what speculation costs when the batch is full
+and it should step aside. The host's speed drifts by tens of percent over minutes, so the server without speculation
+stays up beside each method's and the two take turns (``LOAD_ROUNDS`` runs each); the figure is the ratio of their
+medians.
 
 Ours and vLLM run the target in bf16 (vLLM on the bf16 export), llama.cpp on the GGUF as stored, as in the ``serve``
 section. Per run: decode tok/s (1000 / mean TPOT), the speed-up over the same server kind without speculation, the
@@ -47,6 +49,7 @@ WORKLOAD = {"ngram": "code-edit", "draft_model": "chat", "self_int4": "chat"}
 # server kind without it (issue 21: <= 3% output throughput lost).
 LOAD_CONCURRENCY = 32
 LOAD_NUM_PROMPTS = 64
+LOAD_ROUNDS = 2
 LOAD_TARGET = ">= 97% (at most 3% lost)"
 TARGETS = {"ngram": ">= 2x its baseline; ahead of vLLM", "draft_model": ">= 1.5x its baseline; ahead of vLLM",
            "self_int4": ">= 1.4x its baseline"}
@@ -60,9 +63,10 @@ def spec_section(method: str) -> str:
     return "spec_" + method
 
 
-def load_section(method: Optional[str]) -> str:
-    """The section of ours under load: with ``method`` on, or (None) without speculation."""
-    return "spec_load_" + (method or "base")
+def load_section(method: str, rnd: int, base: bool = False) -> str:
+    """The section of ours' load run ``rnd`` (1..``LOAD_ROUNDS``) with ``method`` on, or with ``base`` of the server
+    without speculation taking turns with it."""
+    return f"spec_load_{'base_' if base else ''}{method}_r{rnd}"
 
 
 @dataclass(frozen=True)
@@ -152,29 +156,31 @@ def run_speculative(ns, out_dir: str, runs: list, server_cmds: dict) -> None:
         datasets = list(dict.fromkeys(WORKLOAD[m] for m in todo))
         ours = eng == "pagedllm"
         extra: list[str] = []  # ours runs bf16 (compare's OURS_FLAGS), as vLLM does
-        base = tuple(base_section(d) for d in datasets) + ((load_section(None),) if ours else ())
-        srv = C._start(ns, eng, out_dir, server_cmds, base, runs, extra=tuple(extra), tag="no speculation",
-                       llama_parallel=1)
-        if srv is not None:
-            try:
+        base = C._start(ns, eng, out_dir, server_cmds, tuple(base_section(d) for d in datasets), runs,
+                        extra=tuple(extra), tag="no speculation", llama_parallel=1)
+        try:
+            if base is not None:
                 for d in datasets:
-                    _bench(ns, eng, srv, out_dir, runs, base_section(d), d, None)
-                if ours:
-                    _bench(ns, eng, srv, out_dir, runs, load_section(None), "chat", None, load=True)
-            finally:
-                srv.stop()
-        for m, spec in todo.items():
-            srv = C._start(ns, eng, out_dir, server_cmds,
-                           (spec_section(m),) + ((load_section(m),) if ours else ()), runs,
-                           extra=tuple(extra) + spec.server_args, tag=m, llama_parallel=1)
-            if srv is None:
-                continue
-            try:
-                _bench(ns, eng, srv, out_dir, runs, spec_section(m), WORKLOAD[m], spec.bench_config)
-                if ours:
-                    _bench(ns, eng, srv, out_dir, runs, load_section(m), "chat", spec.bench_config, load=True)
-            finally:
-                srv.stop()
+                    _bench(ns, eng, base, out_dir, runs, base_section(d), d, None)
+                if not ours:
+                    base.stop()
+                    base = None
+            for m, spec in todo.items():
+                loads = tuple(load_section(m, r, b) for r in range(1, LOAD_ROUNDS + 1) for b in (True, False))
+                srv = C._start(ns, eng, out_dir, server_cmds, (spec_section(m),) + (loads if ours else ()), runs,
+                               extra=tuple(extra) + spec.server_args, tag=m, llama_parallel=1)
+                if srv is None:
+                    continue
+                try:
+                    _bench(ns, eng, srv, out_dir, runs, spec_section(m), WORKLOAD[m], spec.bench_config)
+                    for r in range(1, LOAD_ROUNDS + 1) if ours and base is not None else ():
+                        _bench(ns, eng, base, out_dir, runs, load_section(m, r, True), "chat", None, load=True)
+                        _bench(ns, eng, srv, out_dir, runs, load_section(m, r), "chat", spec.bench_config, load=True)
+                finally:
+                    srv.stop()
+        finally:
+            if base is not None:
+                base.stop()
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -259,7 +265,8 @@ def spec_table(runs: list) -> str:
         lines.append(f"| {m} | {f(ours.spec_tps)} | {cells[0]} | {cells[1]} | {rel} | {TARGETS[m]} |")
     load = load_rows(runs)
     if load:
-        lines += ["", f"Under load (pagedllm, `chat` at {LOAD_CONCURRENCY} clients, {LOAD_NUM_PROMPTS} requests):", "",
+        lines += ["", f"Under load (pagedllm, `chat` at {LOAD_CONCURRENCY} clients, {LOAD_NUM_PROMPTS} requests; medians "
+                      f"of {LOAD_ROUNDS} runs each, the two servers taking turns):", "",
                   "| method | output tok/s, no speculation | output tok/s, speculation | kept | acceptance rate | "
                   "target |", "|---|---|---|---|---|---|"]
         for m, base_tps, spec_tps, rate in load:
@@ -270,15 +277,22 @@ def spec_table(runs: list) -> str:
 
 
 def load_rows(runs: list) -> list[tuple[str, Optional[float], Optional[float], Optional[float]]]:
-    """(method, output tok/s without speculation, with it, acceptance rate) of ours under load, per method run."""
-    base = C._level(C._get(runs, load_section(None), "pagedllm"))
+    """(method, median output tok/s without speculation, with it, acceptance rate) of ours under load, per method
+    measured: the medians of the rounds the two servers took in turns."""
+    import statistics
+
     rows = []
     for m in SPEC_METHODS:
-        lv = C._level(C._get(runs, load_section(m), "pagedllm"))
-        if lv is None:
+        lvs = [C._level(C._get(runs, load_section(m, r), "pagedllm")) for r in range(1, LOAD_ROUNDS + 1)]
+        bases = [C._level(C._get(runs, load_section(m, r, True), "pagedllm")) for r in range(1, LOAD_ROUNDS + 1)]
+        spec = [lv["output_throughput"] for lv in lvs if lv]
+        if not spec:
             continue
-        rows.append((m, base and base.get("output_throughput"), lv.get("output_throughput"),
-                     _rate((lv.get("spec_decode") or {}).get("acceptance_rate"))))
+        base = [lv["output_throughput"] for lv in bases if lv]
+        drafts = sum((lv.get("spec_decode") or {}).get("num_draft_tokens") or 0 for lv in lvs if lv)
+        accepted = sum((lv.get("spec_decode") or {}).get("num_accepted_tokens") or 0 for lv in lvs if lv)
+        rows.append((m, statistics.median(base) if base else None, statistics.median(spec),
+                     accepted / drafts if drafts else None))
     return rows
 
 
@@ -299,8 +313,8 @@ def results_block(ns, runs: list, info: dict, started: str) -> str:
         f"{LLAMA_NGRAM_N}, drafts of {NGRAM['num_speculative_tokens']}; `--model-draft` with "
         f"`--spec-draft-n-max {DRAFT_K}`). Acceptance figures from each server's `/metrics` (llama.cpp has none). "
         f"Under load: ours at {LOAD_CONCURRENCY} concurrent `chat` clients ({LOAD_NUM_PROMPTS} requests x "
-        f"{ns.spec_output_len} tokens, ignore_eos) on the same servers, output tok/s with each method on against "
-        "the server without speculation.",
+        f"{ns.spec_output_len} tokens, ignore_eos), output tok/s with each method on against the server without "
+        f"speculation, the two up side by side and taking turns ({LOAD_ROUNDS} runs each).",
         "",
         spec_table(runs),
         "",
