@@ -562,18 +562,26 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
     # ours also under load, each method's server taking turns with the one without speculation (kept up)
     loads = {f"spec_load_{b}{m}_r{r}" for m in ("ngram", "draft_model", "self_int4") for b in ("", "base_")
              for r in (1, 2)}
+    warmups = {"spec_load_warmup_base", "spec_load_warmup_ngram", "spec_load_warmup_draft_model",
+               "spec_load_warmup_self_int4"}  # untimed: not in the runs
     assert set(by) == {(s, e) for e in ("pagedllm", "vllm", "llamacpp")
                        for s in ("spec_base_code_edit", "spec_base_chat", "spec_ngram", "spec_draft_model")} \
-        | {("spec_self_int4", "pagedllm")} | {(s, "pagedllm") for s in loads}
+        | {("spec_self_int4", "pagedllm")} | {(s, "pagedllm") for s in loads | warmups}
+    assert not {r.section for r in runs} & warmups
     ours = [(s, c) for s, e, c in benches if e == "pagedllm"]
     url = {s: c[c.index("--base-url") + 1] for s, c in ours}
-    assert [s for s, _ in ours][2:6] == ["spec_ngram", "spec_load_base_ngram_r1", "spec_load_ngram_r1",
-                                         "spec_load_base_ngram_r2"]
+    assert [s for s, _ in ours][2:8] == ["spec_load_warmup_base", "spec_ngram", "spec_load_warmup_ngram",
+                                         "spec_load_base_ngram_r1", "spec_load_ngram_r1", "spec_load_base_ngram_r2"]
+    seeds = {s: c[c.index("--seed") + 1] for s, c in ours}  # each round its own requests, the same for both
+    assert seeds["spec_load_base_ngram_r1"] == seeds["spec_load_ngram_r1"] != seeds["spec_load_ngram_r2"]
+    assert len({seeds[s] for s in loads}) == 6 and seeds["spec_load_warmup_ngram"] not in {seeds[s] for s in loads}
     assert url["spec_load_base_ngram_r1"] == url["spec_base_chat"] and len(set(url.values())) == 1  # fake servers
     for (s, e), c in by.items():
-        load = s in loads
+        load = s in loads | warmups
         assert c[c.index("--max-concurrency") + 1] == ("32" if load else "1")
         assert c[c.index("--num-prompts") + 1] == ("64" if load else "3")
+        if s in warmups:
+            continue
         assert ("--speculative-config" in c) == ("base" not in s and e != "llamacpp"), s
         assert c[c.index("--dataset-name") + 1] == ("code-edit" if s in ("spec_base_code_edit", "spec_ngram")
                                                      else "chat")
