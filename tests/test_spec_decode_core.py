@@ -182,7 +182,9 @@ def test_step_token_budget_shares_drafts_and_steps_aside_under_load():
     s.update_from_output(so, ModelRunnerOutput(["r0", "r1"], [[7], [8]], spec_token_ids=[[5] * 8, [6] * 8]))
     for r in reqs[2:]:
         s.add_request(r)
-    so = s.schedule()  # 2 running when the step starts: the newcomers' prompts don't shrink the drafts yet
+    so = s.schedule()  # 2 running and 4 waiting when the step starts: load, speculation steps aside at once
+    assert so.scheduled_spec_decode_tokens == {}
+    assert so.spec_draft_limits == {r.request_id: 0 for r in reqs}  # and nobody's drafter drafts
     ids = list(so.num_scheduled_tokens)
     s.update_from_output(so, ModelRunnerOutput(ids, [[9]] * 6, spec_token_ids=[[5] * 8] * 6))
     so = s.schedule()
@@ -190,6 +192,31 @@ def test_step_token_budget_shares_drafts_and_steps_aside_under_load():
     assert s.spec_cap(6) == 0
     s = make_sched(k=2, step_token_budget=8)
     assert s.spec_cap(1) == 2  # never more than num_speculative_tokens
+
+
+def test_waiting_requests_are_load_speculation_steps_aside_until_they_are_in():
+    """A queue means load: while requests wait (here: max_num_seqs holds them back), no drafts are verified and the
+    drafter is told to draft none (a draft model's catch-up would hold up their prefills); once they are in and the
+    batch is small again, speculation comes back."""
+    from pagedllm.request import RequestStatus
+
+    s = make_sched(k=4, step_token_budget=8, max_num_seqs=1)
+    a = req("a", 4)
+    prefill(s, a, spec=[5, 5])
+    assert s.spec_cap(1) == 4
+    queued = [req(f"w{i}", 4, base=10 * i) for i in range(1, 5)]
+    for r in queued:  # wait: max_num_seqs 1; 1 running + 4 waiting is above the cap's 4
+        s.add_request(r)
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["a"] and so.scheduled_spec_decode_tokens == {}
+    assert so.spec_draft_limits == {"a": 0}
+    s.update_from_output(so, ModelRunnerOutput(["a"], [[6]], spec_token_ids=[[]]))
+    s.finish_requests([r.request_id for r in queued[1:]], RequestStatus.FINISHED_ABORTED)  # 1 running + 1 waiting
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["a"] and so.spec_draft_limits.get("a") != 0
+    s.update_from_output(so, ModelRunnerOutput(["a"], [[7]], spec_token_ids=[[2, 3]]))
+    so = s.schedule()
+    assert so.scheduled_spec_decode_tokens == {"a": [2, 3]}
 
 
 def test_adaptive_draft_length_follows_acceptance_and_probes_again():

@@ -183,7 +183,9 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_spec: dict[str, list[int]] = {}
         draft_limits: dict[str, int] = {}
-        spec_cap = self.spec_cap(len(self.running))
+        # Requests waiting are load too: speculation steps aside until they are in (a drafter's catch-up would
+        # hold up their prefills), and no draft is proposed for such a step.
+        spec_cap = self.spec_cap(len(self.running) + len(self.waiting))
 
         # 1. Running requests, oldest first.
         i = 0
@@ -194,7 +196,9 @@ class Scheduler:
                 i += 1
                 continue
             k_want = self.num_spec_tokens
-            if spec_cap and self.spec_adaptive and req.num_output_tokens:
+            if self.num_spec_tokens and not spec_cap:
+                draft_limits[req.request_id] = 0  # stepped aside: the drafter drafts nothing for it either
+            elif spec_cap and self.spec_adaptive and req.num_output_tokens:
                 cost = self.spec_token_cost
                 k_want = adaptive.share(self.num_spec_tokens, req.spec_acceptance, cost)
                 if k_want == 0:
@@ -283,6 +287,8 @@ class Scheduler:
 
         # Lay requests out in running order (old running first, then newly admitted).
         ordered = {r.request_id: num_scheduled[r.request_id] for r in self.running if r.request_id in num_scheduled}
+        if self.num_spec_tokens and not spec_cap:  # stepped aside: no drafts for the step's new requests either
+            draft_limits.update((r.req_id, 0) for r in new_reqs)
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
