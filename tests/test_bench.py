@@ -468,6 +468,15 @@ def test_compare_render_only(tmp_path, capsys):
     text = md.read_text()
     assert "pagedllm bench compare --peers vllm" in text
     assert "pagedllm bench throughput --backend vllm" in text
+    # a run of another model (params.model) renders into that model's section, not the bundled one's
+    data = json.loads((tmp_path / "compare.json").read_text())
+    gguf = tmp_path / "other-model.gguf"
+    gguf.write_bytes(b"GGUF")
+    data["params"] = {"model": str(gguf)}
+    (tmp_path / "compare.json").write_text(json.dumps(data))
+    assert cli_main(["bench", "compare", "--render-only", str(tmp_path), "--results-md", str(md)]) == 0
+    assert "<!-- section: ?/other-model.gguf -->" in md.read_text() and "## CPU ?, ISA level ?: other-model.gguf" \
+        in md.read_text()
 
 
 def test_offline_floor_and_floor_table():

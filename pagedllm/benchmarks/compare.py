@@ -904,6 +904,10 @@ def render_only(ns: argparse.Namespace) -> int:
         runs = [r for r in runs if (r.section, r.engine) not in keys] + extra
     for k, v in data.get("params", {}).items():
         setattr(ns, k, v)
+    if getattr(ns, "model", None):  # the run's model: its section of RESULTS.md and its name in the heading
+        from pagedllm.model_files import resolve_model
+
+        ns.gguf = resolve_model(ns.model)
     ns.command_line = data.get("command_line", "pagedllm bench compare")
     versions = data["versions"]
     versions.update({k: v for k, v in P.versions().items() if k not in versions})
