@@ -156,3 +156,34 @@ def test_attention_layer_takes_it_below_amx_and_matches_sdpa():
     with kernels.use(dataclasses.replace(kernels.config(), batch_invariant=False)):  # SDPA
         sdpa = att(q, k, v, kv.clone(), meta)
     torch.testing.assert_close(ours.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("level", ["auto", "avx2"])
+def test_greedy_output_the_same_in_any_chunking(tmp_path, level):
+    """A tiny bf16 Llama (head_dim 16: below the AMX kernel's shapes) gives the same greedy tokens for its prompts
+    whole and in chunks of 5, 11 and 22 tokens (so some prompts end on a one-token chunk, as a structured-output
+    request's held-back last token does), batched with each other: prefill attention is chunk-invariant and a row's
+    kind follows its position (the last prompt token is a decode row however it was scheduled)."""
+    require_native(cpu_kernels.get_lib())
+    from pagedllm.kernels.config import supported_levels
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+    from tests.test_engine_tiny import VOCAB, _save_tiny
+
+    if level != "auto" and level not in supported_levels():
+        pytest.skip(f"this CPU runs below {level}")
+    _save_tiny("llama", tmp_path)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, VOCAB - 2, (n,), generator=g).tolist() for n in (12, 23, 6, 34, 45)]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base = dict(dtype="bfloat16", quantization="none", skip_tokenizer_init=True, block_size=4,
+                kv_cache_memory_bytes=4 << 20, max_model_len=128, cpu_isa=level)
+
+    def run(**kw):
+        llm = LLM(str(tmp_path), **base, **kw)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                             use_tqdm=False)]
+
+    ref = run()
+    for chunk in (5, 11, 22):
+        assert run(max_num_batched_tokens=chunk) == ref, chunk

@@ -149,10 +149,10 @@ def build_attention_metadata(
             decode kernel exactly as the plain decode step at that position would (bit for bit: greedy output is
             the same with and without speculation), never the multi-query prefill path with its other reduction
             order. Example: ``query_lens [3]``, ``seq_lens [10]``, verify -> decode entries with 8, 9, 10 keys.
-        prefill_rows: per request, how many of its rows (the first ones) are prefill rows: prompt tokens; the rest,
-            tokens it generated (recomputed after a preemption, or verified), are decode entries as with ``verify``.
-            So a row's kernel follows what its token is, never how the step cut the request: a one-token prompt
-            chunk is a prefill row, a recomputed output token is computed as its decode step computed it. Overrides
+        prefill_rows: per request, how many of its rows (the first ones) are prefill rows; the rest are decode
+            entries as with ``verify``. The runner makes a row's kind follow its position (prompt tokens but the last
+            prefill, the last and generated ones decode), never how the step cut the request: a recomputed output
+            token is computed as its decode step computed it, a prompt's rows the same in any chunking. Overrides
             ``verify``; default: no rows for a request with one new token or ``verify``, else all of them.
             Example: ``query_lens [5]``, ``seq_lens [5]``, ``prefill_rows [3]`` -> a prefill slice of rows 0-2
             (context 3), decode entries for rows 3 and 4 with 4 and 5 keys.

@@ -260,11 +260,14 @@ class ModelRunner:
         positions = torch.from_numpy(pos_np).to(self.device)
         slot_mapping = torch.from_numpy(slot_np).to(self.device)
         block_tables = torch.from_numpy(bt_np).to(self.device)
-        # A row's kind follows its token: prompt tokens are prefill rows, generated tokens decode rows (attention
-        # and int4 kernels), however the step cut the request. So a speculating request's 1 + k verify rows, and
-        # output tokens recomputed after a preemption, are computed exactly as the plain decode step at their
-        # position computed them, and a one-token prompt chunk as the prompt's other chunks.
-        prefill_rows = [min(max(len(st.prompt_token_ids) - s, 0), q) for st, s, q in zip(states, starts, query_lens)]
+        # A row's kind follows its position, however the step cut the request: the prompt's tokens but its last are
+        # prefill rows; the last prompt token (whose logits give the first output token) and generated tokens are
+        # decode rows (attention and int4 kernels). So a speculating request's 1 + k verify rows, and output tokens
+        # recomputed after a preemption, are computed exactly as the plain decode step at their position computed
+        # them, and the first output token's row is the same whether its prompt came whole, in chunks, or held back
+        # a token (structured outputs prefill all but the last prompt token while their grammar compiles).
+        prefill_rows = [min(max(len(st.prompt_token_ids) - 1 - s, 0), q)
+                        for st, s, q in zip(states, starts, query_lens)]
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, slot_mapping, bs, self.sliding_window,
                                         prefill_rows=prefill_rows)
         if self.num_groups > 1:  # each group's layers read and write through the group's own block tables

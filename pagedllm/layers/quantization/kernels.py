@@ -247,7 +247,7 @@ def step_rows(query_lens: list[int], decode: Optional[list[bool]] = None,
     ``decode``: which requests decode (default: those with one new token); a speculating request's 1 + k verify
     rows are decode rows, so they take the kernel its plain decode steps take (greedy output stays identical).
     ``prefill_rows`` (overrides ``decode``): per request, how many of its rows (the first) are prefill rows, the
-    rest decode rows (``build_attention_metadata``'s argument of that name: prompt tokens vs generated ones)."""
+    rest decode rows (``build_attention_metadata``'s argument of that name)."""
     n = sum(query_lens)
     if prefill_rows is None:
         dec = decode if decode is not None else [q == 1 for q in query_lens]
