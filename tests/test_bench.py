@@ -479,6 +479,21 @@ def test_compare_render_only(tmp_path, capsys):
         in md.read_text()
 
 
+def test_runs_from_files_sections_with_hyphens(tmp_path):
+    """A compare folder's result files name section and engine, both of which may hold hyphens: each file is read
+    back as the run that wrote it (a rerun copied in must replace that run, not land as another engine)."""
+    names = {"structured-single-pagedllm": ("structured-single", "pagedllm"),
+             "unconstrained-single-vllm": ("unconstrained-single", "vllm"),
+             "quant-single-pagedllm-int4": ("quant-single", "pagedllm-int4"),
+             "quant-chat8-llamacpp": ("quant-chat8", "llamacpp"), "single-pagedllm-int4": ("single", "pagedllm-int4"),
+             "structured-vllm": ("structured", "vllm"), "latency-bs32": ("latency", "pagedllm-bs32"),
+             "floor": ("floor", "matmul")}
+    for name in names:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"command": "pagedllm bench serve"}))
+    got = {(r.section, r.engine) for r in C._runs_from_files(str(tmp_path))}
+    assert got == set(names.values())
+
+
 def test_offline_floor_and_floor_table():
     """The offline floor is the prompts' FLOPs at the GEMM peak plus one weight read per output position of the
     longest request (or the output FLOPs, if longer); the table gives ours as a share of each floor's speed."""

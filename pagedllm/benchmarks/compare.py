@@ -854,6 +854,11 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="Run nothing: rewrite the summary from DIR/compare.json of an earlier run.")
 
 
+_FILE_SECTIONS = sorted(("offline", "serve", "single", "structured", "unconstrained", "structured-single",
+                         "unconstrained-single", "quant-single", "quant-ttft1024", "quant-chat8", "latency"),
+                        key=len, reverse=True)
+
+
 def _runs_from_files(out_dir: str) -> list[Run]:
     """Runs rebuilt from the result files a (possibly interrupted) compare left in ``out_dir``."""
     import glob
@@ -863,7 +868,9 @@ def _runs_from_files(out_dir: str) -> list[Run]:
         name = os.path.splitext(os.path.basename(f))[0]
         if name == "compare.json" or "-" not in name and name != "floor":
             continue
-        section, _, engine = name.partition("-")
+        # Section names have hyphens too ("structured-single", "quant-chat8"): the longest known one that prefixes.
+        section = next((s for s in _FILE_SECTIONS if name.startswith(s + "-")), name.partition("-")[0])
+        engine = name[len(section) + 1:]
         if section == "latency":
             engine = f"pagedllm-{engine}"
         if section == "floor":
