@@ -58,7 +58,21 @@ export_hf() {
 
 install_llamacpp() {
   local D="$PEERS_DIR/llama.cpp"
-  if [ -x "$D/build/bin/llama-server" ]; then log "llama.cpp: llama-server already built"; return; fi
+  # On a CPU with AMX, -march=native builds llama.cpp's AMX extra buffer type, which dies with SIGILL on these VMs
+  # (the server only ran with --no-repack, i.e. without its weight repacking). There we build for the CPU's
+  # AVX-512 / VNNI / BF16 flags without AMX: its repacked (interleaved) CPU layouts work and are its fastest here.
+  local ARCH=(-DGGML_NATIVE=ON) NO_AMX=0
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    NO_AMX=1
+    ARCH=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+    local F
+    for F in avx_vnni:AVX_VNNI avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+      grep -qw "${F%%:*}" /proc/cpuinfo && ARCH+=("-DGGML_${F#*:}=ON")
+    done
+  fi
+  if [ -x "$D/build/bin/llama-server" ] && { [ $NO_AMX = 0 ] || [ -f "$D/build/.no-amx" ]; }; then
+    log "llama.cpp: llama-server already built"; return
+  fi
   local SDIST
   SDIST="$(ls "$PEERS_DIR"/dl/llama_cpp_python-$LLAMA_CPP_PY_VERSION.tar.gz 2>/dev/null || true)"
   if [ -z "$SDIST" ]; then
@@ -68,12 +82,14 @@ install_llamacpp() {
   rm -rf "$PEERS_DIR/llama-sdist" && mkdir -p "$PEERS_DIR/llama-sdist"
   tar -xzf "$SDIST" -C "$PEERS_DIR/llama-sdist"
   rm -rf "$D" && mv "$PEERS_DIR"/llama-sdist/*/vendor/llama.cpp "$D"
-  log "llama.cpp: cmake build of llama-server (GGML_NATIVE=ON; about 10 minutes on 2 cores)"
-  $NICE cmake -S "$D" -B "$D/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  log "llama.cpp: cmake build of llama-server (${ARCH[*]}; about 10 minutes on 2 cores)"
+  rm -rf "$D/build"
+  $NICE cmake -S "$D" -B "$D/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ARCH[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
     -DBUILD_SHARED_LIBS=OFF > "$PEERS_DIR/llama-cmake.log" 2>&1 || { tail -30 "$PEERS_DIR/llama-cmake.log"; return 1; }
   $NICE cmake --build "$D/build" --target llama-server -j 2 > "$PEERS_DIR/llama-build.log" 2>&1 || { tail -30 "$PEERS_DIR/llama-build.log"; return 1; }
   "$D/build/bin/llama-server" --version 2>&1 | tail -2 || true
+  [ $NO_AMX = 1 ] && touch "$D/build/.no-amx"  # peers.py: no --no-repack needed with this build
   log "llama.cpp: built $D/build/bin/llama-server"
 }
 

@@ -213,11 +213,19 @@ def llama_server_cmd(port: int, gguf: str, parallel: int = 16, ctx_per_slot: int
             "--no-webui", "-a", "smollm2"]
 
 
-def llama_repack_args(flags: Optional[frozenset] = None) -> list[str]:
-    """``--no-repack`` on a CPU with AMX (llama.cpp's AMX extra buffer types crash with SIGILL on these VMs);
-    elsewhere nothing: its CPU weight repacking (interleaved Q4_0 / Q4_K / IQ4_NL rows for AVX2 / AVX-512) is its
-    default and its fastest configuration there."""
-    return ["--no-repack"] if "amx_tile" in (cpu_flags() if flags is None else flags) else []
+def llama_built_without_amx(binary: Optional[str] = None) -> bool:
+    """Whether ``benchmarks/peers/install.sh`` built llama-server for this AMX CPU's AVX-512 flags without AMX (it
+    leaves ``.no-amx`` in the build folder)."""
+    binary = binary or llama_server_bin()
+    return bool(binary) and os.path.exists(os.path.join(os.path.dirname(os.path.dirname(binary)), ".no-amx"))
+
+
+def llama_repack_args(flags: Optional[frozenset] = None, no_amx_build: Optional[bool] = None) -> list[str]:
+    """``--no-repack`` for a ``-march=native`` build on a CPU with AMX (its AMX extra buffer type dies with SIGILL on
+    these VMs; install.sh now builds without AMX there); otherwise nothing: its CPU weight repacking (interleaved
+    Q4_0 / Q4_K / IQ4_NL rows for AVX2 / AVX-512) is its default and its fastest configuration."""
+    no_amx_build = llama_built_without_amx() if no_amx_build is None else no_amx_build
+    return ["--no-repack"] if "amx_tile" in (cpu_flags() if flags is None else flags) and not no_amx_build else []
 
 
 def _run(cmd: list[str], env: Optional[dict] = None, timeout: float = 60) -> str:
