@@ -516,6 +516,43 @@ def test_offline_floor_and_floor_table():
     assert "| single stream bf16: decode tok/s | 250.0 tok/s | 1,000.0 tok/s | 25% |" in table
 
 
+def test_base_model_chat_workload_and_quantized_chat_backend(tmp_path, monkeypatch):
+    """A base model (no chat template, e.g. Gemma-3-270M's GGUF) gets the chat workload as plain transcripts, and the
+    quantized section sends them as completions (chat completions would fail on both servers)."""
+    import copy
+
+    base = copy.copy(load_tokenizer())
+    base.chat_template = None
+    reqs = make_requests("chat", base, 5, output_len=8, seed=0)
+    for r in reqs:
+        assert r.prompt.startswith(f"{r.messages[0]['role'].capitalize()}: {r.messages[0]['content']}")
+        assert r.prompt.endswith(f"User: {r.messages[-1]['content']}\n\nAssistant:")
+        assert r.prompt_token_ids == base.encode(r.prompt, add_special_tokens=False)
+
+    import argparse
+
+    from pagedllm.model_files import default_model_path
+
+    parser = argparse.ArgumentParser()
+    C.add_compare_args(parser)
+    for gguf, backend in ((None, "openai-chat"), (default_model_path(), "openai-chat"),
+                          (str(tmp_path / "base.gguf"), "openai")):
+        if gguf and gguf.endswith("base.gguf"):
+            import gguf as G
+
+            w = G.GGUFWriter(gguf, "llama")  # a header without tokenizer.chat_template
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        ns = parser.parse_args(["--peers", "llamacpp", "--sections", "quantized"])
+        ns.peers, ns.gguf = ["llamacpp"], gguf
+        _, benches = _fake_servers_and_benches(monkeypatch, lambda gguf=None: None)
+        C.run_quantized(ns, str(tmp_path), [], {})
+        chat = [cmd for s, _, cmd in benches if s == "quant-chat8"]
+        assert len(chat) == 2 and all(cmd[cmd.index("--backend") + 1] == backend for cmd in chat), gguf
+
+
 def test_compare_quantized_rows():
     """The quantized section's rows: ours on the GGUF as stored against llama.cpp, TPOT / TTFT lower-better."""
     def lv(**kw):
@@ -533,18 +570,64 @@ def test_compare_quantized_rows():
     assert rows[f"{q}: TTFT ms, 1,024 tokens (median)"].ours == 1000.0
     assert C.ratio(rows[f"{q}: TTFT ms, 1,024 tokens (median)"], "llamacpp") is None  # llama.cpp's run missing
     assert C.ratio(rows[f"{q}: chat, 8 clients, output tok/s"], "llamacpp") == pytest.approx(2.0)
+    assert rows[f"{q}: decode step (median TPOT) / memory floor"].ours is None  # no floor run
+    limits = {"gemm_peak_gflops": 100.0, "mem_read_gb_per_s": 20.0, "torch_threads": 2}
+    quant = {"weight_bytes_per_token": 5e8, "tied_lm_head": False, "memory_floor_ms": 25.0}
+    runs.append(C.Run("quant-floor", "matmul", "x", True, {"floor": [], "shapes": {}, "limits": limits,
+                                                            "quantized": quant}))
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    assert rows[f"{q}: decode step (median TPOT) / memory floor"].ours == pytest.approx(30.0 / 25.0)
+    table = C.floor_table(runs)  # a quantized-only run: the machine's limits from its own floor run
+    assert "memory read 20.0 GB/s" in table
+    row = "| quantized as stored: decode step, single stream median TPOT (500 MB a token) | 30.0 ms | 25.0 ms | 83% |"
+    assert row in table
 
 
-def test_llama_server_repacks_weights_except_on_amx_cpus():
+def test_gguf_bytes_per_token(tmp_path):
+    """The quantized memory floor's bytes: every tensor but the embedding (one row a token), which counts whole
+    where the LM head is tied to it."""
+    import gguf
+    import numpy as np
+
+    from pagedllm.benchmarks.floor import gguf_bytes_per_token
+
+    def write(path, names):
+        w = gguf.GGUFWriter(str(path), "llama")
+        for name, arr in names.items():
+            w.add_tensor(name, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    # bytes: embedding 160 (float32 10 x 4), LM head 80 (float16), one layer weight 64
+    emb, head, blk = np.ones((10, 4), np.float32), np.ones((10, 4), np.float16), np.ones((4, 4), np.float32)
+    write(tmp_path / "untied.gguf", {"token_embd.weight": emb, "output.weight": head, "blk.0.w.weight": blk})
+    write(tmp_path / "tied.gguf", {"token_embd.weight": emb, "blk.0.w.weight": blk})
+    untied, tied = (gguf_bytes_per_token(str(tmp_path / f"{n}.gguf")) for n in ("untied", "tied"))
+    assert (untied["weight_bytes_per_token"], untied["tied_lm_head"], untied["embedding_bytes"]) == (144, False, 160)
+    assert (tied["weight_bytes_per_token"], tied["tied_lm_head"]) == (224, True)  # 160 + 64
+
+
+def test_llama_server_repacks_weights_except_on_amx_cpus(tmp_path):
     """llama.cpp's weight repacking is its default and fastest CPU configuration; it is turned off only where its
-    AMX buffer types would run (they crash with SIGILL on these VMs), so a CPU without AMX meets llama.cpp at its best."""
+    AMX buffer types would run (a -march=native build on an AMX CPU: they crash with SIGILL on these VMs). install.sh
+    builds without AMX there (marked by build/.no-amx), so llama.cpp meets us at its best on every CPU."""
     from pagedllm.benchmarks import peers as P
 
-    assert P.llama_repack_args(frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"})) == ["--no-repack"]
-    assert P.llama_repack_args(frozenset({"avx2", "avx512f", "avx512_bf16"})) == []
+    amx = frozenset({"avx2", "avx512f", "amx_tile", "amx_bf16"})
+    assert P.llama_repack_args(amx, no_amx_build=False) == ["--no-repack"]
+    assert P.llama_repack_args(amx, no_amx_build=True) == []
+    assert P.llama_repack_args(frozenset({"avx2", "avx512f", "avx512_bf16"}), no_amx_build=False) == []
     assert P.llama_repack_args(frozenset({"avx2"})) == []
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("")
+    assert not P.llama_built_without_amx(str(binary))
+    (tmp_path / "build" / ".no-amx").write_text("")
+    assert P.llama_built_without_amx(str(binary))
     cmd = P.llama_server_cmd(8000, "/m.gguf")
-    assert ("--no-repack" in cmd) == ("amx_tile" in P.cpu_flags())
+    assert ("--no-repack" in cmd) == ("amx_tile" in P.cpu_flags() and not P.llama_built_without_amx())
 
 
 def test_compare_speculative_section(tmp_path, monkeypatch):

@@ -391,10 +391,21 @@ def _structured_pair(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: 
 QUANT_ENGINES = ("pagedllm-int4", "llamacpp")  # ours on the GGUF as stored (--quantization gguf), llama-server
 
 
+def _has_chat_template(gguf: Optional[str]) -> bool:
+    """Whether the GGUF (None: the bundled SmolLM2, which has one) carries ``tokenizer.chat_template``."""
+    if not gguf or not os.path.isfile(gguf):
+        return True
+    from pagedllm.model_files import read_gguf_metadata
+
+    return bool(read_gguf_metadata(gguf, ["tokenizer.chat_template"]).get("tokenizer.chat_template"))
+
+
 def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
     """The ``quantized`` section (issue 20): ours with the GGUF's quantized layers kept as stored, next to
     llama.cpp's server on the same file. Single stream ``random`` 128 in / ``--single-output-len`` out (TPOT, TTFT
-    at 128 tokens), single stream 1,024 tokens in / 8 out (TTFT at 1,024), and ``chat`` at 8 clients."""
+    at 128 tokens), single stream 1,024 tokens in / 8 out (TTFT at 1,024), and ``chat`` at 8 clients (a base model
+    without a chat template: the conversations as plain transcripts, sent as completions)."""
+    chat_backend = "openai-chat" if _has_chat_template(_gguf(ns)) else "openai"
     for eng in QUANT_ENGINES:
         if eng == "llamacpp" and eng not in ns.peers:
             continue
@@ -409,7 +420,7 @@ def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
                                        str(ns.single_num_prompts), "--max-concurrency", "1")),
                      ("quant-ttft1024", ("--backend", "openai", "--dataset-name", "random", "--input-len", "1024",
                                          "--output-len", "8", "--num-prompts", "3", "--max-concurrency", "1")),
-                     ("quant-chat8", ("--backend", "openai-chat", "--dataset-name", "chat", "--num-prompts", "32",
+                     ("quant-chat8", ("--backend", chat_backend, "--dataset-name", "chat", "--num-prompts", "32",
                                       "--max-concurrency", "8", "--output-len", str(ns.serve_output_len))))
             for section, args in plans:
                 out = os.path.join(out_dir, f"{section}-{eng}.json")
@@ -417,6 +428,10 @@ def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
                 runs.append(_run_json(section, eng, cmd, out, ns.timeout, os.path.join(out_dir, f"{section}-{eng}.log")))
         finally:
             srv.stop()
+    # The memory floor of a decode step on the file as stored: its bytes per token over the measured read bandwidth.
+    out = os.path.join(out_dir, "quant-floor-matmul.json")
+    cmd = _cli("floor", "--batch-size", "1", "--output-json", out, *(["--model", _gguf(ns)] if _gguf(ns) else []))
+    runs.append(_run_json("quant-floor", "matmul", cmd, out, ns.timeout, os.path.join(out_dir, "quant-floor.log")))
 
 
 def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
@@ -519,6 +534,10 @@ def build_rows(runs: list[Run]) -> list[Row]:
             ("chat, 8 clients, output tok/s", "quant-chat8", "output_throughput", True, ">= 1.5x llama.cpp")):
         rows.append(Row(f"{q}: {metric}", higher, srv(section, "pagedllm-int4", key),
                         {"llamacpp": srv(section, "llamacpp", key)}, target))
+    floor_ms = quant_memory_floor_ms(runs)
+    tpot = srv("quant-single", "pagedllm-int4", "median_tpot_ms")
+    rows.append(Row(f"{q}: decode step (median TPOT) / memory floor", False,
+                    tpot / floor_ms if tpot and floor_ms else None, {}, "<= 1.3x"))
 
     def new_schema_cost(eng, suffix=""):
         """Median over the requests whose schema is new to the server of (their TTFT constrained - the same request's
@@ -614,15 +633,25 @@ def engine_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def quant_memory_floor_ms(runs: list[Run]) -> Optional[float]:
+    """The quantized section's decode-step memory floor, ms: the GGUF's bytes per token as stored over the measured
+    read bandwidth (``bench floor`` on the file; None without that run)."""
+    fl = _get(runs, "quant-floor", "matmul")
+    return fl["quantized"]["memory_floor_ms"] if fl and "quantized" in fl else None
+
+
 def floor_table(runs: list[Run]) -> str:
     """Ours as a fraction of the machine's floor (``bench floor``'s measured GEMM peak and memory bandwidth): the
     floor's time over ours, so 100% would be at the physical limit."""
     from pagedllm.benchmarks.floor import offline_floor_s
 
     fl = _get(runs, "floor", "matmul")
+    qfl = _get(runs, "quant-floor", "matmul")
     if not fl or "limits" not in fl:
+        fl = qfl if qfl and "limits" in qfl else None  # a quantized-only run: its own floor run's limits
+    if not fl:
         return "(no `bench floor` run with machine limits)"
-    rows = {r["batch_size"]: r for r in fl["floor"]}
+    rows = {r["batch_size"]: r for r in fl["floor"]} if fl is not qfl else {}
     lim, shapes = fl["limits"], fl["shapes"]
     peak_dtype = {"bfloat16": "bf16", "float32": "float32"}.get(lim.get("gemm_peak_dtype", "bfloat16"), "bf16")
     lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): GEMM peak {lim['gemm_peak_gflops']:.0f} "
@@ -648,6 +677,12 @@ def floor_table(runs: list[Run]) -> str:
         lat = _get(runs, "latency", f"pagedllm-bs{bs}")
         if lat and bs in rows and "roofline_ms" in rows[bs]:
             line(f"decode step, batch {bs} (bf16)", lat["mean_itl_ms"], rows[bs]["roofline_ms"], "ms", False)
+    quant = _level(_get(runs, "quant-single", "pagedllm-int4"))
+    if quant and qfl and "quantized" in qfl:
+        q = qfl["quantized"]
+        line(f"quantized as stored: decode step, single stream median TPOT ({q['weight_bytes_per_token'] / 1e6:,.0f} "
+             f"MB a token{', tied LM head' if q['tied_lm_head'] else ''})", quant["median_tpot_ms"],
+             q["memory_floor_ms"], "ms", False)
     return "\n".join(lines)
 
 
@@ -855,7 +890,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 _FILE_SECTIONS = sorted(("offline", "serve", "single", "structured", "unconstrained", "structured-single",
-                         "unconstrained-single", "quant-single", "quant-ttft1024", "quant-chat8", "latency"),
+                         "unconstrained-single", "quant-single", "quant-ttft1024", "quant-chat8", "quant-floor",
+                         "latency"),
                         key=len, reverse=True)
 
 

@@ -31,7 +31,9 @@ Workloads:
     cycle; ``--output-len`` output tokens at most (run it with ``--no-ignore-eos``: the answer ends by itself).
 
 Chat-formatted workloads are rendered with the tokenizer's chat template for engines that take token ids or text;
-``--backend openai-chat`` sends their messages instead.
+``--backend openai-chat`` sends their messages instead. A base model's tokenizer has no chat template: its
+messages are then rendered as a plain transcript (``PLAIN_CHAT_TEMPLATE``: "User: ...", blank line, "Assistant:"),
+to be sent as completions (``--backend openai``), the same text to every engine.
 """
 
 from __future__ import annotations
@@ -135,7 +137,15 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
 
+# A base model's stand-in for a chat template (its tokenizer has none): each message as "Role: content" and a blank
+# line, then "Assistant:" for the answer.
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
+                       "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
 def _render_chat(tok, messages: list[dict], chat_template: Optional[str] = None) -> tuple[str, list[int]]:
+    if chat_template is None and not getattr(tok, "chat_template", None):
+        chat_template = PLAIN_CHAT_TEMPLATE
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template)
     ids = tok.encode(text, add_special_tokens=False)
     return text, list(ids)

@@ -53,6 +53,21 @@ def model_shapes(model: Optional[str] = None) -> dict:
             "vocab": vocab, "source": model}
 
 
+def gguf_bytes_per_token(path: str) -> dict:
+    """Bytes of a GGUF's tensors that one decode token reads as stored (issue 20's memory floor): every tensor but
+    the token embedding, of which a step reads one row per token, unless the LM head is tied to it (no
+    ``output.weight``), when the LM head reads it whole. Returns ``{"weight_bytes_per_token", "tensor_bytes",
+    "embedding_bytes", "tied_lm_head"}`` (bytes)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    total, emb = sum(sizes.values()), sizes.get("token_embd.weight", 0)
+    tied = "output.weight" not in sizes
+    return {"weight_bytes_per_token": total - (0 if tied else emb), "tensor_bytes": total, "embedding_bytes": emb,
+            "tied_lm_head": tied}
+
+
 def measure_floor(shapes: dict, batch_sizes: list[int], dtype: str = "bfloat16", reps: int = 10,
                   warmup: int = 3) -> list[dict]:
     import torch
@@ -202,6 +217,10 @@ def cmd_floor(ns: argparse.Namespace) -> int:
     limits = measure_limits(ns.dtype)
     roofline(rows, shapes, limits)
     res = {"shapes": shapes, "floor": rows, "limits": limits}
+    if str(shapes.get("source", "")).endswith(".gguf"):  # the file's own bytes, read as stored (K-quants, Q4_1...)
+        q = gguf_bytes_per_token(shapes["source"])
+        q["memory_floor_ms"] = 1000.0 * q["weight_bytes_per_token"] / (limits["mem_read_gb_per_s"] * 1e9)
+        res["quantized"] = q
     if ns.json:
         print(json.dumps(res))
     else:
@@ -213,6 +232,11 @@ def cmd_floor(ns: argparse.Namespace) -> int:
             print(f"  batch {r['batch_size']:>4}: {r['step_ms_median']:8.2f} ms/step (min {r['step_ms_min']:.2f}), "
                   f"{r['tokens_per_second']:9.1f} tok/s, {r['effective_gb_per_s']:.1f} GB/s of weights; roofline "
                   f"{r['roofline_ms']:.2f} ms ({r['roofline_bound']}-bound), matmuls {r['matmul_vs_roofline']:.2f}x it")
+        if "quantized" in res:
+            q = res["quantized"]
+            head = "tied" if q["tied_lm_head"] else "separate"
+            print(f"the GGUF as stored: {q['weight_bytes_per_token'] / 1e6:.0f} MB read per decode token ({head} LM "
+                  f"head): memory floor {q['memory_floor_ms']:.2f} ms")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(res, f, indent=1)
