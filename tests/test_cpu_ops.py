@@ -41,6 +41,36 @@ def test_add_rms_norm_matches_torch(rows, dtype):
         torch.testing.assert_close(y0, F.rms_norm(x, (H,), w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 500])  # 500 x 640: over the threshold where rows run in parallel
+def test_gemma_rms_norm_matches_torch_on_rows_and_strided_heads(rows):
+    """Gemma's RMSNorm (float32 norm and scale, one rounding) as ``F.rms_norm(x.float(), 1 + w).to(bf16)``: over
+    hidden-state rows, and over the q / k heads of a fused qkv row written into slices of one buffer."""
+    from pagedllm.layers.layernorm import GemmaRMSNorm
+
+    torch.manual_seed(rows)
+    H, D, NH, NKV = 640, 256, 4, 1
+    norm = GemmaRMSNorm(H, 1e-6, torch.bfloat16)
+    norm.weight.data = torch.randn(H).to(torch.bfloat16) * 0.5
+    norm.update_scale()
+    x = (torch.randn(rows, H) * 3).to(torch.bfloat16)
+    ref = F.rms_norm(x.float(), (H,), 1.0 + norm.weight.float(), 1e-6).to(torch.bfloat16)
+    y = cpu_kernels.gemma_rms_norm(x, norm.scale, 1e-6)
+    torch.testing.assert_close(y, ref, atol=0, rtol=2 ** -7)  # at most one ulp apart (the float32 sum's order)
+    assert (y != ref).float().mean() < 0.01
+    assert torch.equal(norm(x), y)  # the module takes the kernel
+    qn = GemmaRMSNorm(D, 1e-6, torch.bfloat16)
+    qn.weight.data = torch.randn(D).to(torch.bfloat16)
+    qn.update_scale()
+    qkv = torch.randn(rows, (NH + 2 * NKV) * D).to(torch.bfloat16)
+    out = torch.full((rows, (NH + NKV) * D), float("nan"), dtype=torch.bfloat16)
+    assert qn.forward_heads(qkv, NH, out[:, :NH * D]) is not None
+    ref_q = F.rms_norm(qkv[:, :NH * D].reshape(rows, NH, D).float(), (D,), qn.scale, 1e-6).to(torch.bfloat16)
+    torch.testing.assert_close(out[:, :NH * D].reshape(rows, NH, D), ref_q, atol=0, rtol=2 ** -7)
+    assert out[:, NH * D:].isnan().all()  # nothing written past its slice
+    assert cpu_kernels.gemma_rms_norm(x.float(), norm.scale, 1e-6) is None  # bf16 only: float32 stays on torch
+    assert qn.forward_heads(qkv[:, :D], NH, out[:, :NH * D]) is None  # fewer values than heads * D
+
+
 @pytest.mark.parametrize("rows", [1, 5, 200])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_and_mul_matches_torch(rows, dtype):

@@ -113,6 +113,29 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     return out, res_out
 
 
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, groups: int = 1,
+                   out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Gemma's RMSNorm ``rms_norm(x.float(), scale).to(bf16)`` over the ``groups`` heads of ``D = scale.numel()``
+    values at the start of each row of bf16 ``x [T, >= groups * D]`` (rows may be strided, e.g. a fused qkv slice)
+    -> ``out [T, groups * D]`` (given: any row stride, contiguous within a row; else a new contiguous tensor).
+    ``scale`` is ``1 + weight`` in float32. Returns None when the C kernel can't run (other dtype or device, no
+    compiler): the caller then uses torch. Numerics: ``csrc/cpu_ops.c`` (float32 norm, one rounding)."""
+    lib = get_lib()
+    if (lib is None or x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1
+            or scale.dtype != torch.float32 or not scale.is_contiguous()):
+        return None
+    T, D = x.shape[0], scale.numel()
+    if x.shape[1] < groups * D:
+        return None
+    if out is None:
+        out = x.new_empty((T, groups * D))
+    elif out.dtype != x.dtype or out.dim() != 2 or out.stride(1) != 1 or tuple(out.shape) != (T, groups * D):
+        return None
+    lib.gemma_rms_norm_bf16(x.data_ptr(), x.stride(0), scale.data_ptr(), out.data_ptr(), out.stride(0), T, groups, D,
+                            eps)
+    return out
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first) -> ``[T, I]``; None when the C kernel can't run."""
     fn = _fused_fn(gate_up, "silu_mul")

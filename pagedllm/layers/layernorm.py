@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.cpu_kernels import add_rms_norm
+from pagedllm.attention.cpu_kernels import add_rms_norm, gemma_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -65,7 +65,17 @@ class GemmaRMSNorm(nn.Module):
         self.scale = 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.bfloat16:  # one C pass (csrc/cpu_ops.c) instead of three torch ops
+            y = gemma_rms_norm(x, self.scale, self.eps)
+            if y is not None:
+                return y
         return F.rms_norm(x.float(), (self.hidden_size,), self.scale, self.eps).to(x.dtype)
+
+    def forward_heads(self, x: torch.Tensor, groups: int, out: torch.Tensor) -> Optional[torch.Tensor]:
+        """The norm over each of the first ``groups`` heads (``hidden_size`` values each) of the rows of ``x [T, >=
+        groups * hidden_size]``, written into ``out [T, groups * hidden_size]`` (both may be strided views, e.g. of
+        a fused qkv); None where the C kernel doesn't run (the caller then uses ``forward``)."""
+        return gemma_rms_norm(x, self.scale, self.eps, groups, out)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

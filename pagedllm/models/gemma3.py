@@ -83,8 +83,13 @@ class Gemma3Attention(nn.Module):
         H = self.num_heads
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(T, -1, self.head_dim)  # [T, H + KVH, D]
-        qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        qk = qkv.new_empty((T, qk_size))  # q and k heads normed straight into one buffer where the C kernel runs
+        if (self.q_norm.forward_heads(qkv, H, qk[:, :self.q_size]) is not None
+                and self.k_norm.forward_heads(qkv[:, self.q_size:], self.num_kv_heads, qk[:, self.q_size:]) is not None):
+            qk = qk.view(T, -1, self.head_dim)  # [T, H + KVH, D]
+        else:
+            qk = qkv[:, :qk_size].view(T, -1, self.head_dim)
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         qk = apply_rotary(qk, cos, sin)
         q = qk[:, :H].flatten(1)
         k = qk[:, H:].flatten(1)

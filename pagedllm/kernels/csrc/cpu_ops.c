@@ -58,6 +58,24 @@ void NAME(const T* gu, T* out, int64_t rows, int64_t I) {                       
 
 DEFINE_RMS(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
+
+/* Gemma's RMSNorm (layers/layernorm.py GemmaRMSNorm, HF Gemma3RMSNorm): y = round(x / sqrt(mean(x^2) + eps) * scale)
+ * with scale = 1 + weight in float32 and the whole norm in float32, one rounding at the end (as
+ * ``F.rms_norm(x.float(), scale).to(bf16)``). Rows are G groups of D values per token: row (t, g) starts at
+ * x + t x_stride + g D and goes to out + t out_stride + g D, so the q / k heads of a fused qkv row are normed in
+ * place of a slice + cat (G = heads, D = head_dim) and a hidden state is T rows of one group (G = 1, D = hidden). */
+void gemma_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const float* scale, uint16_t* out, int64_t out_stride,
+                         int64_t T, int64_t G, int64_t D, float eps) {
+    _Pragma("omp parallel for schedule(static) if (T * G * D >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < T * G; ++r) {
+        const uint16_t* xr = x + (r / G) * x_stride + (r % G) * D;
+        uint16_t* orow = out + (r / G) * out_stride + (r % G) * D;
+        float ss = 0.f;
+        for (int64_t i = 0; i < D; ++i) { const float v = bf16_to_f32(xr[i]); ss += v * v; }
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; ++i) orow[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * scale[i]);
+    }
+}
 #if defined(__AVX512F__)
 #include "simd.h"
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {

@@ -34,6 +34,8 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16
                        uint16_t *residual_out, int64_t rows, int64_t H, float eps);
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *residual_out,
                       int64_t rows, int64_t H, float eps);
+void gemma_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const float *scale, uint16_t *out, int64_t out_stride,
+                         int64_t T, int64_t G, int64_t D, float eps);
 void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t I);
 void argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t cols);
