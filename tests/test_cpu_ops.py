@@ -72,6 +72,27 @@ def test_gemma_rms_norm_matches_torch_on_rows_and_strided_heads(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 200])
+def test_gelu_tanh_and_mul_matches_torch(rows):
+    """Gemma's GeGLU in one pass: ``F.gelu(gate, approximate="tanh") * up`` with the same two bf16 roundings. Its
+    tanh is 1 - 2 / (1 + exp(2u)), not torch's: at most one ulp apart (rarely) where the gelu is not tiny; for gates
+    below about -3, 1 + tanh(u) cancels to a few float32 ulps in either, so there the two differ by those ulps
+    (absolute differences ~1e-6 of a value ~1e-6). Huge and tiny gates and a tail past 16 lanes included."""
+    torch.manual_seed(rows)
+    I = 2048 + 13
+    gu = (torch.randn(rows, 2 * I) * 4).to(torch.bfloat16)
+    gu[0, :6] = torch.tensor([-200.0, -12.0, 0.0, -0.0, 12.0, 300.0])
+    gate, up = gu.chunk(2, dim=-1)
+    ref = F.gelu(gate, approximate="tanh") * up
+    got = cpu_kernels.gelu_tanh_and_mul(gu)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=2 ** -7)
+    big = F.gelu(gate, approximate="tanh").float().abs() > 1e-2
+    torch.testing.assert_close(got[big], ref[big], atol=0, rtol=2 ** -7)
+    assert (got[big] != ref[big]).float().mean() < 0.01
+    assert torch.equal(got[0, :6], ref[0, :6])  # -200 .. 300: 0 (-0), 0, 0, -0, 12 u, 300 u
+    assert cpu_kernels.gelu_tanh_and_mul(gu.float()) is None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 200])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_and_mul_matches_torch(rows, dtype):
     torch.manual_seed(rows)

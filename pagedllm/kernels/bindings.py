@@ -51,7 +51,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "paged_prefill_ws_bytes": Fn((P, I32, I32, I32, I32), I64),
         "paged_prefill_bf16": _PREFILL, "paged_prefill_f32": _PREFILL,
         "add_rms_norm_bf16": _RMS, "add_rms_norm_f32": _RMS,
-        "gemma_rms_norm_bf16": Fn((P, I64, P, P, I64, I64, I64, I64, F32)),
+        "gemma_rms_norm_bf16": Fn((P, I64, P, P, I64, I64, I64, I64, F32)), "gelu_tanh_mul_bf16": _ROWS,
         "rope_cache_bf16": _ROPE, "rope_cache_f32": _ROPE,
         "argmax_rows_f32": _ROWS, "argmax_rows_bf16": _ROWS, "silu_mul_bf16": _ROWS, "silu_mul_f32": _ROWS,
         "apply_token_bitmask_f32": Fn((P, I64, P, I64, P, I64, I64)),

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.packed_linear import lm_head_logits
+from pagedllm.attention.cpu_kernels import gelu_tanh_and_mul, rope_and_cache
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import GemmaRMSNorm
@@ -83,12 +84,16 @@ class Gemma3Attention(nn.Module):
         H = self.num_heads
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
-        qk = qkv.new_empty((T, qk_size))  # q and k heads normed straight into one buffer where the C kernel runs
-        if (self.q_norm.forward_heads(qkv, H, qk[:, :self.q_size]) is not None
-                and self.k_norm.forward_heads(qkv[:, self.q_size:], self.num_kv_heads, qk[:, self.q_size:]) is not None):
-            qk = qk.view(T, -1, self.head_dim)  # [T, H + KVH, D]
-        else:
-            qk = qkv[:, :qk_size].view(T, -1, self.head_dim)
+        # Where the C kernels run: the q and k heads normed in place in the qkv rows, then RoPE in place and K / V
+        # into the paged cache in one pass (the same kernels, in the same order, as the fused layer loop).
+        normed = self.q_norm.forward_heads(qkv, H, qkv[:, :self.q_size]) is not None
+        if normed:
+            self.k_norm.forward_heads(qkv[:, self.q_size:], self.num_kv_heads, qkv[:, self.q_size:qk_size])
+            if rope_and_cache(qkv, cos, kv_cache, meta.slot_mapping, H, self.num_kv_heads, self.head_dim):
+                q, k, v = qkv[:, :self.q_size], qkv[:, self.q_size:qk_size], qkv[:, qk_size:]
+                return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_cached=True))
+        qk = qkv[:, :qk_size].view(T, -1, self.head_dim)  # [T, H + KVH, D]
+        if not normed:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         qk = apply_rotary(qk, cos, sin)
         q = qk[:, :H].flatten(1)
@@ -108,8 +113,12 @@ class Gemma3MLP(nn.Module):
         self.down_proj = skip_init_linear(intermediate_size, hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = gelu_tanh_and_mul(gate_up) if self.approximate == "tanh" else None  # one C pass (csrc/cpu_ops.c)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate=self.approximate) * up
+        return self.down_proj(act)
 
 
 class Gemma3DecoderLayer(nn.Module):

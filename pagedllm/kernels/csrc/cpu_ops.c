@@ -13,6 +13,9 @@
 
 #include "bf16.h"
 #include "pagedllm_kernels.h"
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include "simd.h"
+#endif
 
 #define PAR_MIN_ELEMS 262144
 
@@ -58,6 +61,37 @@ void NAME(const T* gu, T* out, int64_t rows, int64_t I) {                       
 
 DEFINE_RMS(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
+
+/* gelu_tanh_mul: y = round(round(gelu_tanh(gate)) * up) (as ``F.gelu(gate, approximate="tanh") * up`` in bf16: Gemma's
+ * GeGLU), gelu in float32 as torch writes it, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), with
+ * tanh(u) = 1 - 2 / (1 + exp(2u)) (simd.h gelu_tanh16 / gelu_tanh8). */
+static inline float gelu_tanh_scalar(float x) {
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    const float t = 1.0f - 2.0f / (1.0f + expf(fminf(u + u, 89.0f)));
+    return 0.5f * x * (1.0f + t);
+}
+void gelu_tanh_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* g = gu + r * 2 * I;
+        const uint16_t* u = g + I;
+        uint16_t* o = out + r * I;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= I; i += 16) {
+            const __m512 s = round16_bf16(gelu_tanh16(load16_bf16(g + i)));
+            _mm256_storeu_si256((__m256i*)(o + i), store16_bf16_bits(_mm512_mul_ps(s, load16_bf16(u + i))));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 s = round8_bf16(gelu_tanh8(load8_bf16(g + i)));
+            _mm_storeu_si128((__m128i*)(o + i), store8_bf16_bits(_mm256_mul_ps(s, load8_bf16(u + i))));
+        }
+#endif
+        for (; i < I; ++i)
+            o[i] = f32_to_bf16(round_bf16(gelu_tanh_scalar(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+    }
+}
 
 /* Gemma's RMSNorm (layers/layernorm.py GemmaRMSNorm, HF Gemma3RMSNorm): y = round(x / sqrt(mean(x^2) + eps) * scale)
  * with scale = 1 + weight in float32 and the whole norm in float32, one rounding at the end (as

@@ -37,6 +37,7 @@ void add_rms_norm_f32(const float *x, const float *residual, const float *weight
 void gemma_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const float *scale, uint16_t *out, int64_t out_stride,
                          int64_t T, int64_t G, int64_t D, float eps);
 void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
+void gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t I);
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t I);
 void argmax_rows_f32(const float *x, int64_t *out, int64_t rows, int64_t cols);
 void argmax_rows_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols);

@@ -49,6 +49,20 @@ static inline __m512 silu16(__m512 g) {
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
+/* GELU, tanh approximation (torch's F.gelu(approximate="tanh")): 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x +
+ * 0.044715 x^3), tanh(u) = 1 - 2 / (1 + exp(2u)) with exp16. Computed in torch's order, 1 + tanh(u) included: for
+ * u < -8.7 tanh(u) is -1 in float32 and the gelu exactly 0 there too (x / (1 + exp(-2u)), the same value in exact
+ * arithmetic, gave tiny nonzeros where torch gives 0). */
+static inline __m512 gelu_tanh16(__m512 x) {
+    const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                   _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+    const __m512 e = exp16(_mm512_min_ps(_mm512_add_ps(u, u), _mm512_set1_ps(89.0f)));
+    const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                                   _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), t));
+}
+
 /* v rounded to bf16 and widened back to float32. */
 static inline __m512 round16_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(store16_bf16_bits(v)), 16));
@@ -90,10 +104,9 @@ static inline __m256 exp8(__m256 x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-/* silu(g) = g / (1 + exp(-g)) with exp8. exp8 builds 2^n in the exponent field, so n <= 127: for -g past 88 exp(-g)
- * is 2 exp(-g - ln 2), and inf past ln(FLT_MAX) = 88.7228 (silu -0), as torch's float32 silu. */
-static inline __m256 silu8(__m256 g) {
-    const __m256 x = _mm256_sub_ps(_mm256_setzero_ps(), g);
+/* g / (1 + exp(x)) with exp8. exp8 builds 2^n in the exponent field, so n <= 127: for x past 88 exp(x) is
+ * 2 exp(x - ln 2), and inf past ln(FLT_MAX) = 88.7228 (the result -0 or 0), as torch's float32 ops. */
+static inline __m256 div_1p_exp8(__m256 g, __m256 x) {
     __m256 e = exp8(_mm256_min_ps(x, _mm256_set1_ps(88.0f)));
     const __m256 big = _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
     if (_mm256_movemask_ps(big)) {
@@ -103,6 +116,16 @@ static inline __m256 silu8(__m256 g) {
         e = _mm256_blendv_ps(e, e2, big);
     }
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+/* silu(g) = g / (1 + exp(-g)). */
+static inline __m256 silu8(__m256 g) { return div_1p_exp8(g, _mm256_sub_ps(_mm256_setzero_ps(), g)); }
+/* GELU, tanh approximation, as gelu_tanh16 (exp(2u) through div_1p_exp8: 2 / (1 + exp(2u)) with its large-x care). */
+static inline __m256 gelu_tanh8(__m256 x) {
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                   _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), div_1p_exp8(_mm256_set1_ps(2.0f), _mm256_add_ps(u, u)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
 }
 
 #endif /* __AVX2__ && __FMA__ */
