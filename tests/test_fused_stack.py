@@ -197,3 +197,78 @@ def test_fused_stack_int4_with_bias_equals_python_layer_loop(tmp_path_factory, m
         fused_hidden.clear()
     assert results["1"] == results["0"]
     assert sum(len(p) for step in results["1"][1] for p in step) > 10
+
+
+def _count_gemma_fused(monkeypatch) -> dict:
+    from pagedllm.models.fused_stack import GemmaFusedStack
+
+    calls = {"fused": 0, "declined": 0}
+    orig = GemmaFusedStack.forward_gemma
+
+    def counting(self, *a):
+        out = orig(self, *a)
+        calls["fused" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(GemmaFusedStack, "forward_gemma", counting)
+    return calls
+
+
+@pytest.mark.parametrize("backend,level", _BACKENDS)
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-softcap-bias-linear-rope"])
+def test_gemma_fused_stack_equals_python_layer_loop(name, backend, level, tmp_path_factory, monkeypatch):
+    """Gemma 3 in the fused loop (gemma_stack_forward): its six norms, GeGLU, two rotary tables, a 5-token window on
+    the sliding layers (their own KV cache groups and block tables: prompts and outputs pass the window), a q/k/v
+    bias and an untied head in the second config. Decode steps fuse, prefill steps take the Python loop; greedy
+    tokens and logprobs equal PAGEDLLM_FUSED_STACK=0's, three prompts side by side."""
+    from test_models import _load_pair
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers import packed_linear
+
+    hf, _ = _load_pair(name, tmp_path_factory)
+    folder = str(tmp_path_factory.mktemp(f"fused-{name}"))
+    hf.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in (3, 9, 17)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
+              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False, cpu_isa=level)
+    calls = _count_gemma_fused(monkeypatch)
+    results, counts = {}, {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+        calls.update(fused=0, declined=0)
+        llm = LLM(folder, **kw)
+        model = llm.llm_engine.engine_core.runner.model
+        assert {m.backend for m in model.modules() if isinstance(m, packed_linear.PackedLinear)} == {backend}
+        results[fused] = [_tokens_and_logprobs(o) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        counts[fused] = dict(calls)
+        del llm
+    assert counts["1"]["fused"] >= 11 and counts["1"]["declined"] > 0  # decode steps fused, prefill steps not
+    assert counts["0"] == {"fused": 0, "declined": 0}
+    assert all(len(r[0]) == 12 for r in results["1"])
+    assert results["1"] == results["0"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kernels.lib("kquant") is None, reason="no kquant kernels here (level none)")
+def test_gemma_fused_stack_kquant_equals_python_layer_loop(monkeypatch):
+    """Gemma-3-270M Q4_K_M as stored (Q5_0 / Q8_0 / Q4_K / Q6_K linears, a tied Q8_0 head outside the loop): decode
+    steps fused; greedy tokens and logprobs equal the Python loop's, two prompts side by side and one alone."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model_files import gemma3_270m_path
+
+    calls = _count_gemma_fused(monkeypatch)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_FUSED_STACK", fused)
+        calls.update(fused=0, declined=0)
+        llm = LLM(model=gemma3_270m_path(), quantization="gguf", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+        outs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(prompts[:1], sp, use_tqdm=False)
+        results[fused] = [_tokens_and_logprobs(o) for o in outs]
+        assert (calls["fused"] >= 18) == (fused == "1")
+        del llm
+    assert results["1"] == results["0"]

@@ -91,6 +91,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
     }, ("-O3", "-fopenmp", "-ffp-contract=off")),
     Library("stack", ("llama_stack.c",), ("amx", "avx512_bf16", "avx2"), {
         "stack_forward": Fn((P, P)),  # (const struct stack_model *, const struct stack_step *)
+        "gemma_stack_forward": Fn((P, P)),
         "stack_scratch_elems": Fn((P, I64), I64),
     }, ("-O2",)),
 )}
@@ -103,14 +104,16 @@ class StackLinear(ctypes.Structure):
 
 class StackLayer(ctypes.Structure):
     _fields_ = [(n, StackLinear) for n in ("qkv", "o", "gate_up", "down")] + [
-        (n, P) for n in ("ln_in", "ln_post", "k_cache", "v_cache")] + [("window", I64)]
+        (n, P) for n in ("ln_in", "ln_post", "k_cache", "v_cache")] + [("window", I64)] + [
+        (n, P) for n in ("g_in", "g_post_attn", "g_pre_ff", "g_post_ff", "g_q", "g_k")] + [
+        ("group", I64), ("rope_sel", I64)]
 
 
 class StackModel(ctypes.Structure):
     _fields_ = [(n, I64) for n in ("num_layers", "hidden", "H", "KVH", "D", "inter", "BS")] + [
         ("eps", F32), ("scale", F32)] + [(n, P) for n in ("linear", "rms", "rope", "decode", "prefill", "int4",
                                                        "silu_mul", "kq_quant", "kq_matmul")] + [
-        ("kq_act_bits", I64), ("layers", P)]
+        ("kq_act_bits", I64), ("layers", P), ("gnorm", P), ("gelu_mul", P)]
 
 
 class StackKqShard(ctypes.Structure):
@@ -121,4 +124,10 @@ class StackStep(ctypes.Structure):
     _fields_ = [("T", I64), ("x", P), ("x_out", P), ("res_out", P), ("cs", P), ("cs_stride", I64),
                 ("slots", P), ("n_dec", I64), ("dec_max_blocks", I64), ("dec_bt", P), ("dec_seq_lens", P),
                 ("dec_rows", P), ("n_pre", I64), ("pre_max_blocks", I64), ("pre_bt", P), ("pre_q_starts", P),
-                ("pre_q_lens", P), ("pre_seq_lens", P), ("pre_ws", P), ("scratch", P), ("kq_scratch", P)]
+                ("pre_q_lens", P), ("pre_seq_lens", P), ("pre_ws", P), ("scratch", P), ("kq_scratch", P),
+                ("cs2", P), ("cs2_stride", I64), ("groups", P)]
+
+
+class StackGroup(ctypes.Structure):
+    _fields_ = [("slots", P), ("n_dec", I64), ("dec_max_blocks", I64), ("dec_bt", P), ("dec_seq_lens", P),
+                ("dec_rows", P)]

@@ -30,6 +30,7 @@ from pagedllm import kernels
 from pagedllm.attention.cpu_kernels import _sync_decode_amx
 from pagedllm.attention.torch_attn import AttentionMetadata
 from pagedllm.layers.quantization.kernels import INT4_GEMV_MAX_TOKENS
+from pagedllm.kernels.bindings import StackGroup as _Group
 from pagedllm.kernels.bindings import StackLayer as _Layer
 from pagedllm.kernels.bindings import StackKqShard as _KqShard
 from pagedllm.kernels.bindings import StackModel as _Model
@@ -257,3 +258,133 @@ class FusedStack:
             s.kq_scratch = self._kq_scratch.data_ptr()
         self._lib.stack_forward(ctypes.addressof(self._model), ctypes.addressof(s))
         return x_out, res_out
+
+
+class GemmaFusedStack(FusedStack):
+    """Gemma 3's decoder layers in one C call per decode step (``gemma_stack_forward`` in ``llama_stack.c``): its six
+    norms (``gemma_rms_norm_bf16``), GeGLU (``gelu_tanh_mul_bf16``), a rotary table per layer type and an attention
+    metadata group per KV cache group, the same kernels in the same order as ``Gemma3DecoderLayer``'s C path, so the
+    output is the Python loop's bit for bit (``tests/test_fused_stack.py``).
+
+    ``forward(x [T, hidden] bf16 (the scaled embeddings), rope {layer type: (cos, sin)}, kv_caches, metas [one per
+    layer])`` -> ``x [T, hidden]``, the last layer's output (the final norm is the caller's), or None when the step
+    can't take it (prefill rows, a norm or kernel the C path doesn't take): the caller runs its layer loop.
+    """
+
+    def __init__(self, model: Any, lib: ctypes.CDLL, cpu: ctypes.CDLL, kq: Optional[ctypes.CDLL]) -> None:
+        super().__init__(model, lib, cpu, None, None, False, kq)
+        self.layer_types = list(model.layer_types)
+        self.rope_types = sorted(set(self.layer_types))  # index 0 -> cs, 1 -> cs2
+        for s, layer, t in zip(self._arr, self.layers, self.layer_types):
+            att = layer.self_attn
+            s.g_in, s.g_post_attn = layer.input_layernorm.scale.data_ptr(), layer.post_attention_layernorm.scale.data_ptr()
+            s.g_pre_ff = layer.pre_feedforward_layernorm.scale.data_ptr()
+            s.g_post_ff = layer.post_feedforward_layernorm.scale.data_ptr()
+            s.g_q, s.g_k = att.q_norm.scale.data_ptr(), att.k_norm.scale.data_ptr()
+            s.rope_sel = self.rope_types.index(t)
+        m = self._model
+        m.eps = model.layers[0].input_layernorm.eps
+        m.gnorm, m.gelu_mul = _addr(cpu, "gemma_rms_norm_bf16"), _addr(cpu, "gelu_tanh_mul_bf16")
+        self._groups = (_Group * len(self.layers))()
+        self._group_of: Optional[tuple] = None
+        self._step.groups = ctypes.addressof(self._groups)
+
+    @classmethod
+    def build(cls, model: Any) -> Optional["GemmaFusedStack"]:
+        """``model``: a ``Gemma3Model`` (after its weights are packed or quantized). None where it can't run."""
+        if not kernels.config().fused_stack:
+            return None
+        from pagedllm.attention.cpu_kernels import get_lib
+        from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
+        from pagedllm.layers.layernorm import GemmaRMSNorm
+        from pagedllm.layers.quantization import kquant
+        from pagedllm.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3MLP
+
+        if get_tp_size() > 1 or get_pp_size() > 1:
+            return None
+        layers = list(getattr(model, "layers", ()))
+        if not layers or any(type(layer) is not Gemma3DecoderLayer for layer in layers):
+            return None
+        a0, eps = layers[0].self_attn, layers[0].input_layernorm.eps
+        kinds = set()
+        for layer in layers:
+            att, mlp = layer.self_attn, layer.mlp
+            if type(att) is not Gemma3Attention or type(mlp) is not Gemma3MLP or mlp.approximate != "tanh":
+                return None
+            lin = (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            layer_kinds = [_linear_kind(m) for m in lin]
+            if None in layer_kinds or 1 in layer_kinds or (layer_kinds[2] == 0 and lin[2].gated):
+                return None
+            kinds.update(layer_kinds)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, att.q_norm, att.k_norm)
+            if not all(type(n) is GemmaRMSNorm and n.scale.dtype == torch.float32 and n.scale.is_contiguous()
+                       and n.eps == eps for n in norms):
+                return None
+            if (att.num_heads, att.num_kv_heads, att.head_dim, att.attn.scale) != (
+                    a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.attn.scale):
+                return None
+            if lin[0].out_features != (att.num_heads + 2 * att.num_kv_heads) * att.head_dim:
+                return None
+        if len(set(model.layer_types)) > 2 or (a0.num_heads % a0.num_kv_heads or
+                                                 a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512
+                                                 or a0.head_dim % 2):
+            return None
+        cpu, lib = get_lib(), kernels.lib("stack")
+        backends = {m.backend for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                    if _linear_kind(m) == 0}
+        kq = kquant.get_lib() if 2 in kinds else None
+        if cpu is None or lib is None or len(backends) > 1 or (2 in kinds and kq is None):
+            return None
+        return cls(model, lib, cpu, kq)
+
+    def forward_gemma(self, x: torch.Tensor, rope: dict, kv_caches: list[torch.Tensor],
+                      metas: list) -> Optional[torch.Tensor]:
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or len(metas) != len(self.layers):
+            return None
+        cs = []
+        for t in self.rope_types:
+            cos = rope[t][0]
+            if cos.dtype != torch.bfloat16 or cos.stride(2) != 1 or cos.shape[-1] != self.D:
+                return None
+            cs.append(cos)
+        if not self._bind_caches(kv_caches):
+            return None
+        index: dict[int, int] = {}
+        for meta in metas:
+            if id(meta) in index:
+                continue
+            if not isinstance(meta, AttentionMetadata) or meta.prefills or meta.decode is None:
+                return None
+            dec, slots = meta.decode, meta.slot_mapping
+            if (not dec.block_tables.is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous()):
+                return None
+            g = self._groups[len(index)]
+            g.slots, g.n_dec, g.dec_max_blocks = slots.data_ptr(), dec.block_tables.shape[0], dec.block_tables.shape[1]
+            g.dec_bt, g.dec_seq_lens = dec.block_tables.data_ptr(), dec.seq_lens.data_ptr()
+            g.dec_rows = None if dec.all_rows else dec.token_rows.data_ptr()
+            index[id(meta)] = len(index)
+        group_of = tuple(index[id(meta)] for meta in metas)
+        if group_of != self._group_of:
+            for s, gi in zip(self._arr, group_of):
+                s.group = gi
+            self._group_of = group_of
+        _sync_decode_amx(self._cpu)
+        T = x.shape[0]
+        s = self._step
+        s.T, s.x, s.n_pre, s.n_dec = T, x.data_ptr(), 0, 0
+        s.cs, s.cs_stride = cs[0].data_ptr(), cs[0].stride(0)
+        s.cs2, s.cs2_stride = cs[-1].data_ptr(), cs[-1].stride(0)
+        x_out = torch.empty_like(x)
+        need = self._lib.stack_scratch_elems(ctypes.addressof(self._model), T)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.bfloat16)
+        s.x_out, s.res_out, s.scratch = x_out.data_ptr(), None, self._scratch.data_ptr()
+        if self.any_kq:
+            kq_need = 5 * T * self._kq_max_k // 2
+            if self._kq_scratch.numel() < kq_need:
+                self._kq_scratch = torch.empty(kq_need, dtype=torch.uint8)
+            s.kq_scratch = self._kq_scratch.data_ptr()
+        self._lib.gemma_stack_forward(ctypes.addressof(self._model), ctypes.addressof(s))
+        return x_out

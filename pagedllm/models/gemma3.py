@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.packed_linear import lm_head_logits
+from pagedllm.layers.packed_linear import PackedLinear, lm_head_logits
+from pagedllm.models.fused_stack import GemmaFusedStack
 from pagedllm.attention.cpu_kernels import gelu_tanh_and_mul, rope_and_cache
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.kv_cache_spec import AttentionSpec
@@ -166,10 +167,25 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids) * self.embed_scale  # [T, hidden]
         rope = {t: r(positions) for t, r in self.rotary.items()}  # (cos, sin) per layer type, shared by layers
         metas = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+        stack = self._fused_stack()
+        fused = stack.forward_gemma(x, rope, kv_caches, metas) if stack is not None else None
+        if fused is not None:  # every layer in one C call (models/fused_stack.py), decode steps
+            return self.norm(fused)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas):
             cos, sin = rope[layer.layer_type]
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def _fused_stack(self) -> Optional[GemmaFusedStack]:
+        """The C layer loop (``GemmaFusedStack``), built on the first call after the weights are packed or quantized;
+        None where it can't run."""
+        stack = self.__dict__.get("_stack", False)
+        if stack is False:
+            qkv = self.layers[0].self_attn.qkv_proj
+            if not isinstance(qkv, PackedLinear) and getattr(qkv, "kind", "loading") == "loading":
+                return None  # not packed or quantized (yet): the Python loop
+            stack = self.__dict__["_stack"] = GemmaFusedStack.build(self)
+        return stack
 
 
 class Gemma3ForCausalLM(nn.Module):

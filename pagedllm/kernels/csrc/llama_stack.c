@@ -31,6 +31,8 @@ typedef __typeof__(&silu_mul_bf16) silu_mul_fn;
 typedef __typeof__(&amx_prefill_attention_bf16) prefill_fn;
 typedef __typeof__(&kq_quantize_act) kq_quant_fn;
 typedef __typeof__(&kq_matmul) kq_matmul_fn;
+typedef __typeof__(&gemma_rms_norm_bf16) gemma_norm_fn;
+typedef __typeof__(&gelu_tanh_mul_bf16) gelu_mul_fn;
 
 /* One shard of a kind 2 linear: `rows` output rows of the tiled K-quant weight w (kq_pack) of ggml type `type`. */
 typedef struct {
@@ -53,6 +55,11 @@ typedef struct {
     const uint16_t *ln_in, *ln_post;      /* RMSNorm weights [hidden] */
     uint16_t *k_cache, *v_cache;          /* [num_blocks, BS, KVH, D] */
     int64_t window;                       /* sliding window (tokens), 0 = none */
+    /* Gemma 3 (gemma_stack_forward): the float32 scales (1 + weight) of its six norms: input, post-attention,
+     * pre- and post-feed-forward [hidden], q and k heads [D]; the attention metadata group of its KV cache (an
+     * index into stack_step_t.groups) and which rotary table (0: cs, 1: cs2) */
+    const float *g_in, *g_post_attn, *g_pre_ff, *g_post_ff, *g_q, *g_k;
+    int64_t group, rope_sel;
 } stack_layer_t;
 
 typedef struct stack_model {
@@ -69,7 +76,16 @@ typedef struct stack_model {
     kq_matmul_fn kq_matmul;
     int64_t kq_act_bits;   /* the activations' width (KernelConfig.kquant_act_bits: these steps are decode rows) */
     const stack_layer_t *layers;
+    gemma_norm_fn gnorm;   /* Gemma 3 only */
+    gelu_mul_fn gelu_mul;
 } stack_model_t;
+
+/* One KV cache group's decode metadata (Gemma 3: sliding and full layers keep separate block tables). */
+typedef struct {
+    const int64_t *slots;
+    int64_t n_dec, dec_max_blocks;
+    const int64_t *dec_bt, *dec_seq_lens, *dec_rows;
+} stack_group_t;
 
 typedef struct stack_step {
     int64_t T;
@@ -85,6 +101,9 @@ typedef struct stack_step {
     uint16_t *pre_ws;                   /* the prefill kernel's V^T workspace */
     uint16_t *scratch;                  /* stack_scratch_elems(model, T) bf16 */
     uint8_t *kq_scratch;                /* kind 2 linears: 5 T max(hidden, H D, inter) / 2 bytes (the quantized x) */
+    const uint16_t *cs2;                /* Gemma 3: the full-attention layers' rotary table (cs: the sliding ones') */
+    int64_t cs2_stride;
+    const stack_group_t *groups;        /* Gemma 3: per KV cache group (decode steps only) */
 } stack_step_t;
 
 /* bf16 elements of scratch a step of T tokens needs. */
@@ -163,5 +182,43 @@ void stack_forward(const stack_model_t *m, const stack_step_t *s) {
             m->silu_mul(gu, act, T, m->inter);
         }
         run_linear(m, &L->down, act, T, m->inter, Hd, x, 0, s->kq_scratch);
+    }
+}
+
+/* x [n] = round(a + b) in bf16, as torch adds two bf16 tensors (a may be x). */
+static void add_bf16(uint16_t *x, const uint16_t *a, const uint16_t *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+/* Gemma 3's decoder layers (models/gemma3.py, decode steps only), the Python layer loop's kernels in its order:
+ *   xn = norm_in(x); qkv = xn W_qkv^T; q, k heads normed in place; RoPE (the layer type's table) and K, V into
+ *   the cache; attn = decode attention (the layer's group metadata, its window); h = norm_post_attn(attn W_o^T);
+ *   x = x + h; xn = norm_pre_ff(x); act = gelu_tanh(gate) * up; h = norm_post_ff(act W_down^T); x = x + h.
+ * x_out gets the last layer's x (the final norm is the caller's); res_out is not used. */
+void gemma_stack_forward(const stack_model_t *m, const stack_step_t *s) {
+    const int64_t T = s->T, Hd = m->hidden, qkv_n = (m->H + 2 * m->KVH) * m->D, q_n = m->H * m->D;
+    uint16_t *xn = s->scratch, *o = xn + T * Hd, *qkv = o + T * Hd, *attn = qkv + T * qkv_n, *act = attn + T * q_n;
+    uint16_t *gu = act + T * m->inter, *x = s->x_out;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const stack_layer_t *L = &m->layers[l];
+        const stack_group_t *G = &s->groups[L->group];
+        const uint16_t *xin = l ? x : s->x;
+        m->gnorm(xin, Hd, L->g_in, xn, Hd, T, 1, Hd, m->eps);
+        run_linear(m, &L->qkv, xn, T, Hd, qkv_n, qkv, 0, s->kq_scratch);
+        m->gnorm(qkv, qkv_n, L->g_q, qkv, qkv_n, T, m->H, m->D, m->eps);
+        m->gnorm(qkv + q_n, qkv_n, L->g_k, qkv + q_n, qkv_n, T, m->KVH, m->D, m->eps);
+        m->rope(qkv, qkv_n, L->rope_sel ? s->cs2 : s->cs, L->rope_sel ? s->cs2_stride : s->cs_stride, L->k_cache,
+                L->v_cache, G->slots, T, (int)m->H, (int)m->KVH, (int)m->D);
+        m->decode(qkv, L->k_cache, L->v_cache, G->dec_bt, G->dec_max_blocks, G->dec_seq_lens, G->dec_rows, attn,
+                  (int)G->n_dec, (int)m->H, (int)m->KVH, (int)m->D, (int)m->BS, m->scale, (int)L->window, qkv_n);
+        run_linear(m, &L->o, attn, T, q_n, Hd, o, 0, s->kq_scratch);
+        m->gnorm(o, Hd, L->g_post_attn, o, Hd, T, 1, Hd, m->eps);
+        add_bf16(x, xin, o, T * Hd);
+        m->gnorm(x, Hd, L->g_pre_ff, xn, Hd, T, 1, Hd, m->eps);
+        run_linear(m, &L->gate_up, xn, T, Hd, 2 * m->inter, gu, 0, s->kq_scratch);
+        m->gelu_mul(gu, act, T, m->inter);
+        run_linear(m, &L->down, act, T, m->inter, Hd, o, 0, s->kq_scratch);
+        m->gnorm(o, Hd, L->g_post_ff, o, Hd, T, 1, Hd, m->eps);
+        add_bf16(x, x, o, T * Hd);
     }
 }
