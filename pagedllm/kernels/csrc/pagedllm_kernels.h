@@ -115,10 +115,11 @@ int kq_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int6
 int kq_dequant_packed_bf16(int type, const uint8_t *w, int64_t N, int64_t K, int64_t t0, int64_t t1, int layout,
                            uint16_t *P);
 
-/* ---- llama_stack.c: a Llama model's decoder layers in one call (structs: see that file) ---- */
+/* ---- llama_stack.c: a Llama (or Gemma 3) model's decoder layers in one call (structs: see that file) ---- */
 struct stack_model;
 struct stack_step;
 int64_t stack_scratch_elems(const struct stack_model *m, int64_t T);
 void stack_forward(const struct stack_model *m, const struct stack_step *s);
+void gemma_stack_forward(const struct stack_model *m, const struct stack_step *s); /* Gemma 3, decode steps */
 
 #endif
