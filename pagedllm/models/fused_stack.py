@@ -64,6 +64,55 @@ def _linear_kind(mod: Any) -> Optional[int]:
     return None
 
 
+def _uniform_layers(model: Any, layer_cls: type, layer_ok: Any) -> Optional[tuple[list, set]]:
+    """``(layers, kinds)``: the model's decoder layers, where the fused loop is on, the model runs in one process,
+    every layer is a ``layer_cls`` whose four linears have kinds (``_linear_kind``) that ``layer_ok(layer, kinds)``
+    accepts (its attention, MLP and norms), all with the first layer's attention shape and a qkv of that shape, and
+    heads the decode kernel takes; ``kinds`` is the set of their linears' kinds. None otherwise."""
+    if not kernels.config().fused_stack:
+        return None
+    from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
+
+    if get_tp_size() > 1 or get_pp_size() > 1:
+        return None
+    layers = list(getattr(model, "layers", ()))
+    if not layers or any(type(layer) is not layer_cls for layer in layers):
+        return None
+    a0 = layers[0].self_attn
+    kinds: set = set()
+    for layer in layers:
+        att, mlp = layer.self_attn, layer.mlp
+        layer_kinds = [_linear_kind(m) for m in (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if None in layer_kinds or not layer_ok(layer, layer_kinds):
+            return None
+        kinds.update(layer_kinds)
+        if (att.num_heads, att.num_kv_heads, att.head_dim, att.attn.scale) != (
+                a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.attn.scale):
+            return None
+        if att.qkv_proj.out_features != (att.num_heads + 2 * att.num_kv_heads) * att.head_dim:
+            return None
+    if (a0.num_heads % a0.num_kv_heads or a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512
+            or a0.head_dim % 2):
+        return None
+    return layers, kinds
+
+
+def _stack_libs(layers: list, kinds: set) -> Optional[tuple]:
+    """``(cpu, stack, kquant)`` libraries for these layers (kquant None without K-quant linears), or None: one is
+    missing, or the packed linears are on more than one backend."""
+    from pagedllm.attention.cpu_kernels import get_lib
+    from pagedllm.layers.quantization import kquant
+
+    cpu, lib = get_lib(), kernels.lib("stack")
+    backends = {m.backend for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                if _linear_kind(m) == 0}
+    kq = kquant.get_lib() if 2 in kinds else None
+    if cpu is None or lib is None or len(backends) > 1 or (2 in kinds and kq is None):
+        return None
+    return cpu, lib, kq
+
+
 class FusedStack:
     """The C layer loop for one model; ``build`` returns None where it can't run (see the module docstring).
 
@@ -142,53 +191,28 @@ class FusedStack:
     def build(cls, model: Any) -> Optional["FusedStack"]:
         """``model``: a ``LlamaModel`` (after its weights are packed or quantized). None where the fused loop can't
         run."""
-        if not kernels.config().fused_stack:
-            return None
-        from pagedllm.attention.cpu_kernels import get_lib
-        from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
         from pagedllm.layers.layernorm import RMSNorm
         from pagedllm.layers.quantization import cpu_kernels as int4_kernels
-        from pagedllm.layers.quantization import kquant
         from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
-        if get_tp_size() > 1 or get_pp_size() > 1:
-            return None
-        layers = list(getattr(model, "layers", ()))
-        if not layers or any(type(layer) is not LlamaDecoderLayer for layer in layers):
-            return None
-        a0 = layers[0].self_attn
-        kinds = set()
-        for layer in layers:
+        def layer_ok(layer: Any, kinds: list) -> bool:
             att, mlp = layer.self_attn, layer.mlp
-            if type(att) is not LlamaAttention or type(mlp) is not LlamaMLP or att.q_norm is not None:
-                return None
-            lin = (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            layer_kinds = [_linear_kind(m) for m in lin]
-            if None in layer_kinds or (layer_kinds[2] == 0 and not lin[2].gated):
-                return None
-            kinds.update(layer_kinds)
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if not all(type(n) is RMSNorm and n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous()
-                       and n.eps == layers[0].input_layernorm.eps for n in norms):
-                return None
-            if (att.num_heads, att.num_kv_heads, att.head_dim, att.attn.scale) != (
-                    a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.attn.scale):
-                return None
-            if lin[0].out_features != (att.num_heads + 2 * att.num_kv_heads) * att.head_dim:
-                return None
-        if (a0.num_heads % a0.num_kv_heads or a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512
-                or a0.head_dim % 2):
+            return (type(att) is LlamaAttention and type(mlp) is LlamaMLP and att.q_norm is None
+                    and not (kinds[2] == 0 and not mlp.gate_up_proj.gated)
+                    and all(type(n) is RMSNorm and n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous()
+                            and n.eps == model.layers[0].input_layernorm.eps for n in norms))
+
+        found = _uniform_layers(model, LlamaDecoderLayer, layer_ok)
+        libs = _stack_libs(found[0], found[1]) if found else None
+        if libs is None:
             return None
-        cpu, lib = get_lib(), kernels.lib("stack")
+        (layers, kinds), (cpu, lib, kq) = found, libs
         amx = kernels.lib("amx")  # the AMX prefill attention (level amx only)
         int4 = int4_kernels.get_lib() if 1 in kinds else None
-        backends = {m.backend for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                    if _linear_kind(m) == 0}
-        kq = kquant.get_lib() if 2 in kinds else None
-        if cpu is None or lib is None or len(backends) > 1 or (
-                1 in kinds and (int4 is None or not int4_kernels.int4_gemv_supported())) or (2 in kinds and kq is None):
+        if 1 in kinds and (int4 is None or not int4_kernels.int4_gemv_supported()):
             return None
+        a0 = layers[0].self_attn
         prefill_ok = (kernels.config().amx_attention and a0.head_dim % 32 == 0
                       and a0.head_dim <= 128 and amx is not None)
         return cls(model, lib, cpu, amx, int4, prefill_ok, kq)
@@ -294,51 +318,23 @@ class GemmaFusedStack(FusedStack):
     @classmethod
     def build(cls, model: Any) -> Optional["GemmaFusedStack"]:
         """``model``: a ``Gemma3Model`` (after its weights are packed or quantized). None where it can't run."""
-        if not kernels.config().fused_stack:
-            return None
-        from pagedllm.attention.cpu_kernels import get_lib
-        from pagedllm.distributed.parallel_state import get_pp_size, get_tp_size
         from pagedllm.layers.layernorm import GemmaRMSNorm
-        from pagedllm.layers.quantization import kquant
         from pagedllm.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer, Gemma3MLP
 
-        if get_tp_size() > 1 or get_pp_size() > 1:
-            return None
-        layers = list(getattr(model, "layers", ()))
-        if not layers or any(type(layer) is not Gemma3DecoderLayer for layer in layers):
-            return None
-        a0, eps = layers[0].self_attn, layers[0].input_layernorm.eps
-        kinds = set()
-        for layer in layers:
+        def layer_ok(layer: Any, kinds: list) -> bool:
             att, mlp = layer.self_attn, layer.mlp
-            if type(att) is not Gemma3Attention or type(mlp) is not Gemma3MLP or mlp.approximate != "tanh":
-                return None
-            lin = (att.qkv_proj, att.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            layer_kinds = [_linear_kind(m) for m in lin]
-            if None in layer_kinds or 1 in layer_kinds or (layer_kinds[2] == 0 and lin[2].gated):
-                return None
-            kinds.update(layer_kinds)
             norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm, att.q_norm, att.k_norm)
-            if not all(type(n) is GemmaRMSNorm and n.scale.dtype == torch.float32 and n.scale.is_contiguous()
-                       and n.eps == eps for n in norms):
-                return None
-            if (att.num_heads, att.num_kv_heads, att.head_dim, att.attn.scale) != (
-                    a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.attn.scale):
-                return None
-            if lin[0].out_features != (att.num_heads + 2 * att.num_kv_heads) * att.head_dim:
-                return None
-        if len(set(model.layer_types)) > 2 or (a0.num_heads % a0.num_kv_heads or
-                                                 a0.num_heads // a0.num_kv_heads > 64 or a0.head_dim > 512
-                                                 or a0.head_dim % 2):
+            return (type(att) is Gemma3Attention and type(mlp) is Gemma3MLP and mlp.approximate == "tanh"
+                    and 1 not in kinds and not (kinds[2] == 0 and mlp.gate_up_proj.gated)
+                    and all(type(n) is GemmaRMSNorm and n.scale.dtype == torch.float32 and n.scale.is_contiguous()
+                            and n.eps == model.layers[0].input_layernorm.eps for n in norms))
+
+        found = _uniform_layers(model, Gemma3DecoderLayer, layer_ok)
+        libs = _stack_libs(found[0], found[1]) if found and len(set(model.layer_types)) <= 2 else None
+        if libs is None:
             return None
-        cpu, lib = get_lib(), kernels.lib("stack")
-        backends = {m.backend for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                    if _linear_kind(m) == 0}
-        kq = kquant.get_lib() if 2 in kinds else None
-        if cpu is None or lib is None or len(backends) > 1 or (2 in kinds and kq is None):
-            return None
+        cpu, lib, kq = libs
         return cls(model, lib, cpu, kq)
 
     def forward_gemma(self, x: torch.Tensor, rope: dict, kv_caches: list[torch.Tensor],

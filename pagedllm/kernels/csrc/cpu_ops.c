@@ -70,7 +70,13 @@ static inline float gelu_tanh_scalar(float x) {
     const float t = 1.0f - 2.0f / (1.0f + expf(fminf(u + u, 89.0f)));
     return 0.5f * x * (1.0f + t);
 }
-void gelu_tanh_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
+static inline float silu_scalar(float g) { return g / (1.0f + expf(-g)); }
+
+/* y = round(round(act(gate)) * up) over rows of gate_up [rows, 2 I] (gate first) -> out [rows, I], bf16; act: 0 silu,
+ * 1 gelu_tanh (constant at each call site, so each caller compiles to its own loop). silu16 / silu8 / the scalar
+ * silu and the gelu_tanh ones give the same values in their lanes and tail (same polynomial for exp). */
+static inline __attribute__((always_inline)) void act_mul_bf16(const int act, const uint16_t* gu, uint16_t* out,
+                                                                int64_t rows, int64_t I) {
     _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* g = gu + r * 2 * I;
@@ -79,18 +85,28 @@ void gelu_tanh_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t
         int64_t i = 0;
 #if defined(__AVX512F__)
         for (; i + 16 <= I; i += 16) {
-            const __m512 s = round16_bf16(gelu_tanh16(load16_bf16(g + i)));
+            const __m512 x = load16_bf16(g + i);
+            const __m512 s = round16_bf16(act ? gelu_tanh16(x) : silu16(x));
             _mm256_storeu_si256((__m256i*)(o + i), store16_bf16_bits(_mm512_mul_ps(s, load16_bf16(u + i))));
         }
 #elif defined(__AVX2__) && defined(__FMA__)
+        /* silu8 / gelu_tanh8, the same polynomial as the 16-lane ones (the scalar expf loop took ~110 us for one
+         * 8960-wide decode row on an EPYC Zen 3, 28 of them per step of a 1.5B model; this takes 16 us). */
         for (; i + 8 <= I; i += 8) {
-            const __m256 s = round8_bf16(gelu_tanh8(load8_bf16(g + i)));
+            const __m256 x = load8_bf16(g + i);
+            const __m256 s = round8_bf16(act ? gelu_tanh8(x) : silu8(x));
             _mm_storeu_si128((__m128i*)(o + i), store8_bf16_bits(_mm256_mul_ps(s, load8_bf16(u + i))));
         }
 #endif
-        for (; i < I; ++i)
-            o[i] = f32_to_bf16(round_bf16(gelu_tanh_scalar(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+        for (; i < I; ++i) {
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(act ? gelu_tanh_scalar(x) : silu_scalar(x)) * bf16_to_f32(u[i]));
+        }
     }
+}
+void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) { act_mul_bf16(0, gu, out, rows, I); }
+void gelu_tanh_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
+    act_mul_bf16(1, gu, out, rows, I);
 }
 
 /* Gemma's RMSNorm (layers/layernorm.py GemmaRMSNorm, HF Gemma3RMSNorm): y = round(x / sqrt(mean(x^2) + eps) * scale)
@@ -111,24 +127,6 @@ void gemma_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const float* scale
     }
 }
 #if defined(__AVX512F__)
-#include "simd.h"
-void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
-    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* g = gu + r * 2 * I;
-        const uint16_t* u = g + I;
-        uint16_t* o = out + r * I;
-        int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-            const __m512 s = round16_bf16(silu16(load16_bf16(g + i)));
-            _mm256_storeu_si256((__m256i*)(o + i), store16_bf16_bits(_mm512_mul_ps(s, load16_bf16(u + i))));
-        }
-        for (; i < I; ++i) {
-            const float gv = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * bf16_to_f32(u[i]));
-        }
-    }
-}
 void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
     _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
     for (int64_t r = 0; r < rows; ++r) {
@@ -142,26 +140,6 @@ void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* AVX2: silu8, the same polynomial as silu16 (the scalar expf loop took ~110 us for one 8960-wide decode row on an
- * EPYC Zen 3, 28 of them per step of a 1.5B model; this takes 16 us). */
-#include "simd.h"
-void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
-    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* g = gu + r * 2 * I;
-        const uint16_t* u = g + I;
-        uint16_t* o = out + r * I;
-        int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-            const __m256 s = round8_bf16(silu8(load8_bf16(g + i)));
-            _mm_storeu_si128((__m128i*)(o + i), store8_bf16_bits(_mm256_mul_ps(s, load8_bf16(u + i))));
-        }
-        for (; i < I; ++i) {
-            const float gv = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * bf16_to_f32(u[i]));
-        }
-    }
-}
 void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
     _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
     for (int64_t r = 0; r < rows; ++r) {
@@ -175,7 +153,6 @@ void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
     }
 }
 #else
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, f32_id, f32_id, f32_id)
 #endif
 
