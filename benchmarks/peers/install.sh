@@ -83,7 +83,6 @@ install_llamacpp() {
   tar -xzf "$SDIST" -C "$PEERS_DIR/llama-sdist"
   rm -rf "$D" && mv "$PEERS_DIR"/llama-sdist/*/vendor/llama.cpp "$D"
   log "llama.cpp: cmake build of llama-server (${ARCH[*]}; about 10 minutes on 2 cores)"
-  rm -rf "$D/build"
   $NICE cmake -S "$D" -B "$D/build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ARCH[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
     -DBUILD_SHARED_LIBS=OFF > "$PEERS_DIR/llama-cmake.log" 2>&1 || { tail -30 "$PEERS_DIR/llama-cmake.log"; return 1; }

@@ -139,13 +139,12 @@ def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, groups: int
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     """``F.gelu(gate, approximate="tanh") * up`` for bf16 ``gate_up [T, 2 * I]`` (gate first) -> ``[T, I]`` (Gemma's
     GeGLU; same two roundings); None when the C kernel can't run."""
-    lib = get_lib()
-    if lib is None or gate_up.dtype != torch.bfloat16 or not gate_up.is_cpu or not gate_up.is_contiguous() \
-            or gate_up.dim() != 2:
+    fn = _fused_fn(gate_up, "gelu_tanh_mul") if gate_up.dtype == torch.bfloat16 else None  # bf16 only
+    if fn is None or gate_up.dim() != 2:
         return None
     T, I2 = gate_up.shape
     out = gate_up.new_empty((T, I2 // 2))
-    lib.gelu_tanh_mul_bf16(gate_up.data_ptr(), out.data_ptr(), T, I2 // 2)
+    fn(gate_up.data_ptr(), out.data_ptr(), T, I2 // 2)
     return out
 
 

@@ -64,6 +64,20 @@ def _linear_kind(mod: Any) -> Optional[int]:
     return None
 
 
+def built_stack(model: Any, cls: type) -> Optional["FusedStack"]:
+    """``model``'s C layer loop (``cls.build``), built on the first call after its weights are packed or quantized
+    and kept on the model; None where it can't run, or while the weights are still loading (the Python loop)."""
+    from pagedllm.layers.packed_linear import PackedLinear
+
+    stack = model.__dict__.get("_stack", False)
+    if stack is False:
+        qkv = getattr(getattr(model.layers[0], "self_attn", None), "qkv_proj", None)
+        if not isinstance(qkv, PackedLinear) and getattr(qkv, "kind", "loading") == "loading":
+            return None
+        stack = model.__dict__["_stack"] = cls.build(model)
+    return stack
+
+
 def _uniform_layers(model: Any, layer_cls: type, layer_ok: Any) -> Optional[tuple[list, set]]:
     """``(layers, kinds)``: the model's decoder layers, where the fused loop is on, the model runs in one process,
     every layer is a ``layer_cls`` whose four linears have kinds (``_linear_kind``) that ``layer_ok(layer, kinds)``
@@ -299,9 +313,8 @@ class GemmaFusedStack(FusedStack):
 
     def __init__(self, model: Any, lib: ctypes.CDLL, cpu: ctypes.CDLL, kq: Optional[ctypes.CDLL]) -> None:
         super().__init__(model, lib, cpu, None, None, False, kq)
-        self.layer_types = list(model.layer_types)
-        self.rope_types = sorted(set(self.layer_types))  # index 0 -> cs, 1 -> cs2
-        for s, layer, t in zip(self._arr, self.layers, self.layer_types):
+        self.rope_types = sorted(set(model.layer_types))  # index 0 -> cs, 1 -> cs2
+        for s, layer, t in zip(self._arr, self.layers, model.layer_types):
             att = layer.self_attn
             s.g_in, s.g_post_attn = layer.input_layernorm.scale.data_ptr(), layer.post_attention_layernorm.scale.data_ptr()
             s.g_pre_ff = layer.pre_feedforward_layernorm.scale.data_ptr()

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.packed_linear import PackedLinear, lm_head_logits
-from pagedllm.models.fused_stack import GemmaFusedStack
 from pagedllm.attention.cpu_kernels import gelu_tanh_and_mul, rope_and_cache
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
+from pagedllm.layers.packed_linear import lm_head_logits
+from pagedllm.models.fused_stack import GemmaFusedStack, built_stack
 from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
@@ -177,15 +177,7 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
     def _fused_stack(self) -> Optional[GemmaFusedStack]:
-        """The C layer loop (``GemmaFusedStack``), built on the first call after the weights are packed or quantized;
-        None where it can't run."""
-        stack = self.__dict__.get("_stack", False)
-        if stack is False:
-            qkv = self.layers[0].self_attn.qkv_proj
-            if not isinstance(qkv, PackedLinear) and getattr(qkv, "kind", "loading") == "loading":
-                return None  # not packed or quantized (yet): the Python loop
-            stack = self.__dict__["_stack"] = GemmaFusedStack.build(self)
-        return stack
+        return built_stack(self, GemmaFusedStack)
 
 
 class Gemma3ForCausalLM(nn.Module):

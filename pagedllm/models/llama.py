@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.packed_linear import PackedLinear, lm_head_logits
+from pagedllm.layers.packed_linear import lm_head_logits
 from pagedllm.attention.cpu_kernels import rope_and_cache, silu_and_mul
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_layer_range
@@ -31,7 +31,7 @@ from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagedllm.models.fused_stack import FusedStack
+from pagedllm.models.fused_stack import FusedStack, built_stack
 
 # (fused parameter, checkpoint shard name, shard index): "…self_attn.k_proj.weight" fills rows
 # [q_size, q_size + kv_size) of "…self_attn.qkv_proj.weight"; biases the same way.
@@ -266,15 +266,7 @@ class LlamaModel(nn.Module):
         return x
 
     def _fused_stack(self) -> Optional[FusedStack]:
-        """The C layer loop (``FusedStack``), built on the first call after the weights are packed (or quantized);
-        None where it can't run."""
-        stack = self.__dict__.get("_stack", False)
-        if stack is False:
-            qkv = getattr(getattr(self.layers[0], "self_attn", None), "qkv_proj", None)
-            if not isinstance(qkv, PackedLinear) and getattr(qkv, "kind", "loading") == "loading":
-                return None  # not packed or quantized (yet): the Python loop
-            stack = self.__dict__["_stack"] = FusedStack.build(self)
-        return stack
+        return built_stack(self, FusedStack)
 
 
 class LlamaForCausalLM(nn.Module):
