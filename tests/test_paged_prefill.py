@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import require_native
+from pagedllm import kernels
 from pagedllm.attention import cpu_kernels
 from pagedllm.attention.torch_attn import Attention, build_attention_metadata
 
@@ -175,15 +176,25 @@ def test_greedy_output_the_same_in_any_chunking(tmp_path, level):
     _save_tiny("llama", tmp_path)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(2, VOCAB - 2, (n,), generator=g).tolist() for n in (12, 23, 6, 34, 45)]
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     base = dict(dtype="bfloat16", quantization="none", skip_tokenizer_init=True, block_size=4,
                 kv_cache_memory_bytes=4 << 20, max_model_len=128, cpu_isa=level)
 
     def run(**kw):
         llm = LLM(str(tmp_path), **base, **kw)
-        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                                             use_tqdm=False)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
-    ref = run()
+    def top2(lp):
+        return {t: v.logprob for t, v in lp.items()}
+
+    ref, ref_lp = run()
     for chunk in (5, 11, 22):
-        assert run(max_num_batched_tokens=chunk) == ref, chunk
+        got, got_lp = run(max_num_batched_tokens=chunk)
+        # the first difference with both sides' top-2 logprobs (a near-tie or not), so a failure says where it began
+        where = next(((i, j, top2(ref_lp[i][j]), top2(got_lp[i][j])) for i in range(len(ref))
+                      for j in range(len(ref[i])) if ref[i][j] != got[i][j]
+                      or ref_lp[i][j].keys() != got_lp[i][j].keys()), None)
+        assert got == ref, (chunk, kernels.config().describe(), where)
+        # not only the tokens: the logprobs too, bit for bit (a row's arithmetic doesn't depend on its batch)
+        assert [[top2(x) for x in r] for r in got_lp] == [[top2(x) for x in r] for r in ref_lp], chunk
