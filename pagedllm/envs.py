@@ -31,6 +31,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("PAGEDLLM_PACK_WEIGHTS", "1", "0: keep plain bf16 weights (F.linear) instead of packing them at load."),
     EnvVar("PAGEDLLM_FUSED_STACK", "1", "0: run the model's Python layer loop instead of the fused C loop."),
     EnvVar("PAGEDLLM_HUGEPAGES", "0", "1: KV caches in one huge-page-advised mapping (Linux)."),
+    EnvVar("PAGEDLLM_WEIGHT_HUGEPAGES", "1", "0: GGUF K-quant weights in ordinary pages instead of huge-page-advised "
+           "mappings (Linux)."),
     EnvVar("PAGEDLLM_BATCH_INVARIANT", "1",
            "0: let kernels choose their algorithm by the number of rows of a call (faster int4/int8 at some batch "
            "sizes, but a request's greedy output may then depend on the requests batched with it)."),

@@ -212,3 +212,38 @@ def _decode_block16_case(H, KVH, D, window):
     assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, out, scale, window)
     ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, window)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H, KVH, D", [(4, 1, 256), (4, 1, 64), (6, 2, 128), (3, 1, 128)])
+def test_decode_alone_equals_among_others_across_the_head_split(dtype, H, KVH, D):
+    """With fewer (request, KV head) tasks than threads the kernel cuts each KV head's query heads among the threads
+    (one request of Gemma 3 270M: 4 query heads on 1 KV head); with many requests it doesn't. A request's output is
+    the same bits either way, at 1, 2 and 3 threads, and within bound of float64."""
+    require_native(cpu_kernels.get_lib())
+    torch.manual_seed(1)
+    BS, NB, n = 16, 100, 6
+    k_cache, v_cache = torch.randn(NB, BS, KVH, D).to(dtype), torch.randn(NB, BS, KVH, D).to(dtype)
+    seq_lens = torch.tensor([200, 17, 5, 64, 99, 1], dtype=torch.int64)
+    block_tables = (torch.randperm(NB - 1)[: n * 13] + 1).view(n, 13).contiguous()
+    q = torch.randn(n, H, D).to(dtype)
+    scale = 1 / math.sqrt(D)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            together = torch.zeros(n, H, D, dtype=dtype)
+            assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, together, scale, None)
+            for r in range(n):  # alone: rows r..r of the same tensors
+                alone = torch.zeros(1, H, D, dtype=dtype)
+                assert cpu_kernels.paged_decode(q[r : r + 1], k_cache, v_cache, block_tables[r : r + 1],
+                                                seq_lens[r : r + 1], None, alone, scale, None)
+                assert torch.equal(alone[0], together[r]), (threads, r)
+            outs.append(together)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, None)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0].double(), ref, atol=tol, rtol=tol)

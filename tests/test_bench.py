@@ -7,6 +7,7 @@ Every run here is tiny (a few prompts, a few tokens): the tests check the printe
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 
@@ -280,6 +281,9 @@ def test_floor_limits_and_roofline():
 
     lim = measure_limits(buffer_bytes=32 << 20, gemm_sizes=[(256, 256, 256)], reps=2)
     assert lim["gemm_peak_gflops"] > 0 and lim["mem_read_gb_per_s"] > 0
+    by = lim["mem_read_gb_per_s_by_pages"]  # ordinary pages, and huge pages where the OS has them (our K-quants')
+    assert "small" in by and ("huge" in by) == hasattr(mmap, "MADV_HUGEPAGE")
+    assert lim["mem_read_gb_per_s"] == max(by.values())
     s = model_shapes()
     rows = [{"batch_size": 1, "weight_bytes": 270e6, "step_ms_median": 20.0},
             {"batch_size": 100000, "weight_bytes": 270e6, "step_ms_median": 20.0}]

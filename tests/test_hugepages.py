@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import kernels
-from pagedllm.utils.hugepages import HUGE_PAGE, zeros_in_hugepages
+from pagedllm.utils.hugepages import HUGE_PAGE, WeightArena, weight_arena, weight_empty, zeros_in_hugepages
 
 
 def _hugepages(on: bool):
@@ -63,3 +63,40 @@ def test_engine_kv_caches_share_one_advised_mapping():
     if hasattr(mmap, "MADV_HUGEPAGE"):
         assert "hg" in _vm_flags(caches[-1].data_ptr())
 
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+def test_weight_arena_carves_separate_aligned_tensors_from_advised_chunks():
+    arena = WeightArena(chunk_bytes=4 * HUGE_PAGE)
+    sizes = [100, 1, 4096, 3 * HUGE_PAGE, 5 * HUGE_PAGE, 77]  # the 5-huge-page one is larger than a chunk
+    ts = [arena.empty(n) for n in sizes]
+    assert [t.numel() for t in ts] == sizes and all(t.dtype == torch.uint8 for t in ts)
+    assert all(t.data_ptr() % 64 == 0 for t in ts)
+    assert ts[0].data_ptr() % HUGE_PAGE == 0  # a chunk starts on a huge page
+    assert ts[4].data_ptr() % HUGE_PAGE == 0  # so does a mapping of its own
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in ts)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+    assert all("hg" in _vm_flags(t.data_ptr()) for t in ts)
+    for i, t in enumerate(ts):
+        t.fill_(i + 1)
+    assert [int(t.sum()) for t in ts] == [(i + 1) * n for i, n in enumerate(sizes)]
+    keep = ts[1]
+    del ts, arena
+    gc.collect()
+    assert int(keep) == 2  # a chunk lives as long as any tensor carved from it
+
+
+def test_weight_empty_uses_the_arena_only_inside_weight_arena_and_when_on():
+    on = dataclasses.replace(kernels.config(), weight_hugepages=True)
+    with kernels.use(on), weight_arena() as arena:
+        t = weight_empty(1000)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: carved from an advised chunk
+        assert arena is not None and "hg" in _vm_flags(t.data_ptr())
+    else:
+        assert arena is None
+    with kernels.use(dataclasses.replace(on, weight_hugepages=False)), weight_arena() as arena:
+        assert arena is None
+        plain = weight_empty(3 * HUGE_PAGE)
+    assert "hg" not in _vm_flags(plain.data_ptr()) and plain.numel() == 3 * HUGE_PAGE
+    outside = weight_empty(3 * HUGE_PAGE)  # no arena active: torch.empty
+    assert "hg" not in _vm_flags(outside.data_ptr())

@@ -16,6 +16,7 @@ Below, ``bound = 1 + 2`` and the checks are against ``gguf.quants.dequantize`` +
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import subprocess
 import time
@@ -275,13 +276,25 @@ def test_dequantize_rows_equal_gguf(qtype):
 
 
 def test_fused_shards_of_different_types_write_their_columns():
+    """One kq_matmul_shards call over shards of mixed types (threads split their tiles by bytes, across shard
+    edges) gives each shard's own call's bits, at any thread count; the shard count is bounded."""
     k = 256
-    parts = [(T.Q4_K, 24), (T.Q6_K, 8), (T.Q8_0, 16), (T.Q5_0, 8)]
+    parts = [(T.Q4_K, 24), (T.Q6_K, 8), (T.Q8_0, 16), (T.Q5_0, 8), (T.Q5_0, 512)]
     raws = [_blocks(t, n, k, seed=i) for i, (t, n) in enumerate(parts)]
-    ws = [KQuantWeight(t, k, torch.from_numpy(r)) for (t, _), r in zip(parts, raws)]
-    x = torch.randn(3, k)
-    y = kquant_linear(x, ws)
-    assert torch.equal(y, torch.cat([kquant_linear(x, [w]) for w in ws], dim=1))
+    ws = [KQuantWeight(t, k, torch.from_numpy(r)).tiled() for (t, _), r in zip(parts, raws)]
+    before = torch.get_num_threads()
+    try:
+        for m in (1, 3):
+            x = torch.randn(m, k)
+            want = torch.cat([kquant_linear(x, [w]) for w in ws], dim=1)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(kquant_linear(x, ws), want), (m, n)
+                assert torch.equal(kquant_linear(x, ws[1:4]), want[:, 24:56]), (m, n)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="shards"):
+        kquant_linear(torch.randn(1, k), ws[:1] * 9)
 
 
 @pytest.mark.parametrize("path_fn", [qwen25_05b_path, gemma3_270m_path], ids=["qwen25_05b", "gemma3_270m"])
@@ -358,6 +371,11 @@ def test_real_model_greedy_equals_dequantized_float32_and_memory(path_fn):
           f"process RSS {_rss_bytes() / 1e6:.0f} MB (file size {os.path.getsize(path) / 1e6:.0f} MB)")
     assert quant_file <= in_quant <= 1.03 * quant_file  # the tiled form: Q4_K / Q5_K scales as bytes (+2-3 %)
     assert total <= 1.05 * all_file
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # the tiles were carved from huge-page-advised memory (utils/hugepages.py)
+        from test_hugepages import _vm_flags
+
+        kq = next(m for m in qm.quant_modules.values() if m.kind == "kquant")._kq
+        assert "hg" in _vm_flags((kq[0] if isinstance(kq, list) else kq).data.data_ptr())
 
     dense = _load(path, "none")
     dm = dense.llm_engine.engine_core.runner.model

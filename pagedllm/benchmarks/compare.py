@@ -640,6 +640,14 @@ def quant_memory_floor_ms(runs: list[Run]) -> Optional[float]:
     return fl["quantized"]["memory_floor_ms"] if fl and "quantized" in fl else None
 
 
+def _pages_note(lim: dict) -> str:
+    """" (4 KiB pages A GB/s, huge pages B GB/s)" where both were measured, else ""."""
+    by = lim.get("mem_read_gb_per_s_by_pages") or {}
+    if len(by) < 2:
+        return ""
+    return f" (the better of 4 KiB pages {by['small']:.1f} GB/s and huge pages {by['huge']:.1f} GB/s)"
+
+
 def floor_table(runs: list[Run]) -> str:
     """Ours as a fraction of the machine's floor (``bench floor``'s measured GEMM peak and memory bandwidth): the
     floor's time over ours, so 100% would be at the physical limit."""
@@ -656,7 +664,7 @@ def floor_table(runs: list[Run]) -> str:
     peak_dtype = {"bfloat16": "bf16", "float32": "float32"}.get(lim.get("gemm_peak_dtype", "bfloat16"), "bf16")
     lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): GEMM peak {lim['gemm_peak_gflops']:.0f} "
              f"GFLOP/s ({peak_dtype} matmuls; a bf16 matmul may run at either rate), memory read "
-             f"{lim['mem_read_gb_per_s']:.1f} GB/s.", "",
+             f"{lim['mem_read_gb_per_s']:.1f} GB/s" + _pages_note(lim) + ".", "",
              "| figure | ours | floor | ours as % of the floor's speed |", "|---|---|---|---|"]
 
     def line(what: str, ours: Optional[float], floor: Optional[float], unit: str, higher_better: bool) -> None:

@@ -86,6 +86,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "kq_release_file_pages": Fn((P, I64), I32),
         "kq_quantize_act": Fn((P, I64, I64, I32, P, P, P, P, P, I32)),
         "kq_matmul": Fn((I32, P, I64, I64, P, P, P, P, P, I64, P, I64, I32, I32), I32),
+        "kq_matmul_shards": Fn((P, I64, I64, P, P, P, P, P, I64, P, I64, I32, I32), I32),
         "kq_dequant_rows": Fn((I32, P, I64, I64, P, I64, P, I32), I32),
         "kq_dequant_packed_bf16": Fn((I32, P, I64, I64, I64, I64, I32, P), I32),
     }, ("-O3", "-fopenmp", "-ffp-contract=off")),
@@ -116,7 +117,7 @@ class StackModel(ctypes.Structure):
         ("kq_act_bits", I64), ("layers", P), ("gnorm", P), ("gelu_mul", P)]
 
 
-class StackKqShard(ctypes.Structure):
+class StackKqShard(ctypes.Structure):  # kq_shard_t (pagedllm_kernels.h)
     _fields_ = [("type", I64), ("rows", I64), ("w", P)]
 
 

@@ -107,6 +107,7 @@ class KernelConfig:
     pack_weights: bool = True
     fused_stack: bool = True
     hugepages: bool = False
+    weight_hugepages: bool = True  # GGUF K-quant weights in huge pages (pagedllm.utils.hugepages)
     batch_invariant: bool = True
     kquant_act_bits: int = 16  # 8 or 16: activations of the GGUF integer matmuls' decode rows (and unmarked calls)
     kquant_prefill_act_bits: int = 8  # the same for prefill rows (``step_rows``)
@@ -131,7 +132,7 @@ class KernelConfig:
 
     def describe(self) -> str:
         off = [n for n in ("cpu_kernels", "amx_attention", "amx_linear", "pack_weights", "fused_stack",
-                           "batch_invariant") if not getattr(self, n)]
+                           "weight_hugepages", "batch_invariant") if not getattr(self, n)]
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
                 + f" (prefill {self.kquant_prefill_act_bits}-bit)")
@@ -144,7 +145,8 @@ class KernelConfig:
         return cls(level=level, cpu_kernels=envs.flag("PAGEDLLM_CPU_KERNELS"),
                    amx_attention=envs.flag("PAGEDLLM_AMX_ATTENTION"), amx_linear=envs.flag("PAGEDLLM_AMX_LINEAR"),
                    pack_weights=envs.flag("PAGEDLLM_PACK_WEIGHTS"), fused_stack=envs.flag("PAGEDLLM_FUSED_STACK"),
-                   hugepages=envs.flag("PAGEDLLM_HUGEPAGES"), batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"),
+                   hugepages=envs.flag("PAGEDLLM_HUGEPAGES"), weight_hugepages=envs.flag("PAGEDLLM_WEIGHT_HUGEPAGES"),
+                   batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"),
                    kquant_act_bits=_int_env("PAGEDLLM_KQUANT_ACT_BITS"),
                    kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"))
 

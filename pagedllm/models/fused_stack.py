@@ -192,7 +192,7 @@ class FusedStack:
         if int4 is not None:
             m.int4 = _addr(int4, "int4_gemv_bf16")
         if kq is not None:
-            m.kq_quant, m.kq_matmul = _addr(kq, "kq_quantize_act"), _addr(kq, "kq_matmul")
+            m.kq_quant, m.kq_matmul = _addr(kq, "kq_quantize_act"), _addr(kq, "kq_matmul_shards")
             m.kq_act_bits = kernels.config().kquant_act_bits
         self._kq_max_k = max(self.hidden, self.H * self.D, self.inter)
         self._kq_scratch = torch.empty(0, dtype=torch.uint8)

@@ -41,6 +41,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -818,17 +819,29 @@ static inline __attribute__((always_inline)) void kq_tiles_t(const int T, const 
     }
 }
 
-/* out[m][n] (at out + m * ldo + n; float32, or bf16 if out_bf16) = sum_k x[m][k] w[n][k] for the tiled weight w
- * (kq_pack) and the activations prepared by kq_quantize_act; act8: they were quantized with act_bits 8 (every xlo
- * zero; the kernels then skip lo: the same bits, about half the integer work). type: ggml type id (6, 8, 12, 13, 14);
- * K % 256 == 0 for the K-quants, K % 32 == 0 for the others. Returns 0, -1 for an unsupported type, -2 if the AVX2
- * build's int16 copy of 15-bit activations (M K 2 bytes) could not be allocated. */
-int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xhi, const int8_t *xlo,
-              const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
-              int out_bf16, int act8) {
-    if (kq_packed_bytes(type, N, K) < 0) return -1;
+/* out[m][n] (at out + m * ldo + n; float32, or bf16 if out_bf16) = sum_k x[m][k] w[n][k] for the tiled weights of
+ * `shards` (kq_pack; shard i's rows are the columns after shard i - 1's) and the activations prepared by
+ * kq_quantize_act; act8: they were quantized with act_bits 8 (every xlo zero; the kernels then skip lo: the same
+ * bits, about half the integer work). Types: ggml type ids (6, 8, 12, 13, 14); K % 256 == 0 for the K-quants,
+ * K % 32 == 0 for the others. One parallel region for all shards (a fused qkv or gate_up layer), its tiles cut into
+ * one contiguous share of weight bytes per thread: a tile is computed the same way whichever thread takes it, so
+ * the split never changes a bit (per-shard calls cost a fork/join each and left 256-row shards on one thread).
+ * Returns 0, -1 for an unsupported type or K, -2 if the AVX2 build's int16 copy of 15-bit activations (M K 2
+ * bytes) could not be allocated. */
+int kq_matmul_shards(const kq_shard_t *shards, int64_t n_shards, int64_t K, const int8_t *xhi, const int8_t *xlo,
+                     const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
+                     int out_bf16, int act8) {
+    if (n_shards < 1 || n_shards > KQ_MAX_SHARDS) return -1;
+    int64_t tiles[KQ_MAX_SHARDS + 1], tsz[KQ_MAX_SHARDS], bytes = 0, rows = 0;
+    tiles[0] = 0;
+    for (int64_t i = 0; i < n_shards; i++) {
+        if (kq_packed_bytes((int)shards[i].type, shards[i].rows, K) < 0 || shards[i].rows < 1) return -1;
+        tsz[i] = kq_packed_bytes((int)shards[i].type, KQ_R, K);
+        tiles[i + 1] = tiles[i] + (shards[i].rows + KQ_R - 1) / KQ_R;
+        bytes += (tiles[i + 1] - tiles[i]) * tsz[i];
+        rows += shards[i].rows;
+    }
     kq_act a = {xhi, xlo, xs, xsum32, isum16, K, act8 != 0, NULL};
-    const int64_t nt = (N + KQ_R - 1) / KQ_R;
     int16_t *xq16 = NULL;
 #if KQ_ISA == 1
     if (!act8) {
@@ -839,25 +852,51 @@ int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xh
         a.xq16 = xq16;
     }
 #endif
-    /* the type switch sits inside the parallel loop, so the outlined OpenMP body is specialized per type */
-#define KQ_CASE(TY)                                                                        \
-    case TY:                                                                               \
-        if (act8) kq_tiles_t(TY, 1, w, t, t + 1, N, &a, M, out, ldo, out_bf16);             \
-        else kq_tiles_t(TY, 0, w, t, t + 1, N, &a, M, out, ldo, out_bf16);                  \
+    const size_t esz = out_bf16 ? 2 : 4;
+#define KQ_CASE(TY)                                                                                      \
+    case TY:                                                                                             \
+        if (act8) kq_tiles_t(TY, 1, sh->w, t0, t1, sh->rows, &a, M, o, ldo, out_bf16);                   \
+        else kq_tiles_t(TY, 0, sh->w, t0, t1, sh->rows, &a, M, o, ldo, out_bf16);                        \
         break;
-#pragma omp parallel for schedule(static) if (N * M * K >= 1 << 18)
-    for (int64_t t = 0; t < nt; t++) {
-        switch (type) {
-            KQ_CASE(KQ_Q8_0)
-            KQ_CASE(KQ_Q5_0)
-            KQ_CASE(KQ_Q4_K)
-            KQ_CASE(KQ_Q5_K)
-            default: KQ_CASE(KQ_Q6_K)
+#pragma omp parallel if (rows * M * K >= 1 << 18)
+    {
+        /* this thread's bytes [b0, b1) of the shards' tiles laid end to end; a tile is taken by the thread whose
+         * share holds its first byte */
+        const int64_t nth = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t b0 = bytes * id / nth, b1 = bytes * (id + 1) / nth;
+        int64_t base = 0, col = 0; /* the shard's first byte and first column */
+        for (int64_t i = 0; i < n_shards; i++) {
+            const kq_shard_t *sh = &shards[i];
+            const int64_t nt = tiles[i + 1] - tiles[i];
+            int64_t t0 = b0 <= base ? 0 : (b0 - base + tsz[i] - 1) / tsz[i];
+            int64_t t1 = b1 <= base ? 0 : (b1 - base + tsz[i] - 1) / tsz[i];
+            t0 = t0 < nt ? t0 : nt;
+            t1 = t1 < nt ? t1 : nt;
+            void *o = (char *)out + col * esz;
+            if (t0 < t1) {
+                switch ((int)sh->type) { /* the outlined body is specialized per type */
+                    KQ_CASE(KQ_Q8_0)
+                    KQ_CASE(KQ_Q5_0)
+                    KQ_CASE(KQ_Q4_K)
+                    KQ_CASE(KQ_Q5_K)
+                    default: KQ_CASE(KQ_Q6_K)
+                }
+            }
+            base += nt * tsz[i];
+            col += sh->rows;
         }
     }
 #undef KQ_CASE
     free(xq16);
     return 0;
+}
+
+/* kq_matmul_shards with one shard: out = activations @ W.T, W [N, K] of ggml type `type`. */
+int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xhi, const int8_t *xlo,
+              const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
+              int out_bf16, int act8) {
+    const kq_shard_t sh = {type, N, w};
+    return kq_matmul_shards(&sh, 1, K, xhi, xlo, xs, xsum32, isum16, M, out, ldo, out_bf16, act8);
 }
 
 /* ---- dequantization of whole rows (embedding lookups, tests) --------------------------------------------------- */

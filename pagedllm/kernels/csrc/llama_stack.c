@@ -30,19 +30,14 @@ typedef __typeof__(&int4_gemv_bf16) int4_fn;
 typedef __typeof__(&silu_mul_bf16) silu_mul_fn;
 typedef __typeof__(&amx_prefill_attention_bf16) prefill_fn;
 typedef __typeof__(&kq_quantize_act) kq_quant_fn;
-typedef __typeof__(&kq_matmul) kq_matmul_fn;
+typedef __typeof__(&kq_matmul_shards) kq_matmul_fn;
 typedef __typeof__(&gemma_rms_norm_bf16) gemma_norm_fn;
 typedef __typeof__(&gelu_tanh_mul_bf16) gelu_mul_fn;
 
-/* One shard of a kind 2 linear: `rows` output rows of the tiled K-quant weight w (kq_pack) of ggml type `type`. */
-typedef struct {
-    int64_t type, rows;
-    const uint8_t *w;
-} stack_kq_shard_t;
 
 /* One linear layer: kind 0 = packed for the AMX kernel (w; bias: fp32 or NULL); kind 1 = int4 groups for
  * int4_gemv_bf16 (w = packed codes, sz = scales and zeros, group, n_pad rows packed); kind 2 = GGUF K-quant shards
- * for kq_matmul (w = stack_kq_shard_t[group], their columns side by side). Kinds 1 and 2: bias = bf16 or NULL. */
+ * for kq_matmul_shards (w = kq_shard_t[group], their columns side by side). Kinds 1 and 2: bias = bf16 or NULL. */
 typedef struct {
     int64_t kind;
     const void *w, *sz;
@@ -112,21 +107,15 @@ int64_t stack_scratch_elems(const stack_model_t *m, int64_t T) {
     return T * (2 * m->hidden + qkv + m->H * m->D + 3 * m->inter);
 }
 
-/* The Python path of a K-quant QuantLinear's matmul (kquant_linear on decode rows): x quantized once, each shard's
- * kq_matmul writing its columns of out in bf16 (run_linear adds the bias). */
+/* The Python path of a K-quant QuantLinear's matmul (kquant_linear on decode rows): x quantized once, one
+ * kq_matmul_shards call writing every shard's columns of out in bf16 (run_linear adds the bias). */
 static void run_kquant(const stack_model_t *m, const stack_linear_t *L, const uint16_t *x, int64_t T, int64_t k,
                        int64_t n, uint16_t *out, uint8_t *buf) {
     int8_t *xhi = (int8_t *)buf, *xlo = xhi + T * k;
     float *xs = (float *)(xlo + T * k), *xsum = xs + T * (k / 32);
     int32_t *isum = (int32_t *)(xsum + T * (k / 32));
     m->kq_quant(x, T, k, 1, xhi, xlo, xs, xsum, isum, (int)m->kq_act_bits);
-    const stack_kq_shard_t *sh = (const stack_kq_shard_t *)L->w;
-    int64_t col = 0;
-    for (int64_t i = 0; i < L->group; i++) {
-        m->kq_matmul((int)sh[i].type, sh[i].w, sh[i].rows, k, xhi, xlo, xs, xsum, isum, T, out + col, n, 1,
-                     m->kq_act_bits == 8);
-        col += sh[i].rows;
-    }
+    m->kq_matmul((const kq_shard_t *)L->w, L->group, k, xhi, xlo, xs, xsum, isum, T, out, n, 1, m->kq_act_bits == 8);
 }
 
 /* out [T, n] += b [n] in bf16, as torch adds two bf16 tensors (the Python path's `y + bias`). */

@@ -536,7 +536,11 @@ DEFINE_TASK_AVX2(task_f32, float, load8_f32, f32_id)
 
 
 /* Work split: one task per request (all its KV heads: sequential memory) when there are enough requests to keep
- * every thread busy, else one task per (request, KV head). */
+ * every thread busy, else one task per (request, KV head), and with fewer of those than threads (one request of a
+ * model with one KV head: Gemma 3 270M) the G query heads of each KV head are cut into `gs` parts, each a task that
+ * reads that head's K and V itself. A query head's arithmetic never depends on which other heads share its task,
+ * so every split gives the same bits (the parts run as groups of G' = g1 - g0 heads: the task's q and out pointers
+ * are shifted so that its head index kh * G' + g lands on kh * G + g0 + g). */
 #define DEFINE_DECODE_SIMD(NAME, T, TASK, SCALAR, FAST)                                                          \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables, int64_t max_blocks,  \
           const int64_t* seq_lens, const int64_t* rows, T* out, int n, int H, int KVH, int D, int BS,        \
@@ -550,7 +554,9 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     const int nthreads = omp_get_max_threads();                                                               \
     const int split = (n >= 2 * nthreads) ? 1 : KVH;                                                          \
     const int hpt = KVH / split;                                                                              \
-    _Pragma("omp parallel if (n * split > 1)")                                                                \
+    const int gs = n * split >= nthreads ? 1 : (nthreads / (n * split) < G ? nthreads / (n * split) : G);     \
+    const int ntask = n * split * gs;                                                                         \
+    _Pragma("omp parallel if (ntask > 1)")                                                                    \
     {                                                                                                         \
         int cap = 0;                                                                                          \
         float* s = NULL;                                                                                      \
@@ -560,8 +566,12 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         const int tiles = AMX_TILES_WANTED(T, BS);                                                            \
         if (tiles) AMX_CONFIG();                                                                              \
         _Pragma("omp for schedule(dynamic, 1)")                                                               \
-        for (int task = 0; task < n * split; ++task) {                                                        \
-            const int r = task / split, h0 = (task % split) * hpt, h1 = h0 + hpt;                             \
+        for (int task = 0; task < ntask; ++task) {                                                            \
+            const int r = task / (split * gs), h0 = (task / gs % split) * hpt, h1 = h0 + hpt;                 \
+            const int gi = task % gs, g0 = G * gi / gs, Gt = G * (gi + 1) / gs - g0;                          \
+            const int64_t shift = (int64_t)(h0 * (G - Gt) + g0) * D; /* see the note above */                \
+            const T* qt = q + shift;                                                                          \
+            T* ot = out + shift;                                                                              \
             const int L = (int)seq_lens[r];                                                                   \
             const int start = (window > 0 && L > window) ? L - window : 0;                                    \
             if (G * hpt * (L - start) > cap) {                                                                \
@@ -571,14 +581,14 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             }                                                                                                 \
             const int64_t row = rows ? rows[r] : r;                                                           \
             const int64_t* bt = block_tables + (int64_t)r * max_blocks;                                       \
-            if (FAST(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale, q_stride, ND, s)) \
+            if (FAST(qt, k_cache, v_cache, bt, L, start, row, ot, H, KVH, h0, h1, Gt, BS, scale, q_stride, ND, s)) \
                 continue;                                                                                     \
             switch (ND) {                                                                                     \
-                case DECODE_ND_A: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS,    \
+                case DECODE_ND_A: TASK(qt, k_cache, v_cache, bt, L, start, row, ot, H, KVH, h0, h1, Gt, BS,   \
                                        scale, q_stride, DECODE_ND_A, s, qf, acc, ktile); break;               \
-                case DECODE_ND_B: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS,    \
+                case DECODE_ND_B: TASK(qt, k_cache, v_cache, bt, L, start, row, ot, H, KVH, h0, h1, Gt, BS,   \
                                        scale, q_stride, DECODE_ND_B, s, qf, acc, ktile); break;               \
-                default: TASK(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale,      \
+                default: TASK(qt, k_cache, v_cache, bt, L, start, row, ot, H, KVH, h0, h1, Gt, BS, scale,     \
                               q_stride, ND, s, qf, acc, ktile);                                               \
             }                                                                                                 \
         }                                                                                                     \

@@ -108,6 +108,16 @@ void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *x
 int kq_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const int8_t *xhi, const int8_t *xlo,
               const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
               int out_bf16, int act8);
+/* One tiled weight of a layer made of several (a fused qkv / gate_up): `rows` rows of ggml type `type` at w. */
+typedef struct {
+    int64_t type, rows;
+    const uint8_t *w;
+} kq_shard_t;
+#define KQ_MAX_SHARDS 8
+/* kq_matmul over shards side by side (shard i's columns after shard i - 1's), in one parallel region */
+int kq_matmul_shards(const kq_shard_t *shards, int64_t n_shards, int64_t K, const int8_t *xhi, const int8_t *xlo,
+                     const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
+                     int out_bf16, int act8);
 /* out [n, K] float32 / bf16 = rows ids of the tiled W dequantized (gguf's values); -1: bad type */
 int kq_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, void *out,
                     int out_bf16);

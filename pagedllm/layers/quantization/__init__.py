@@ -170,8 +170,13 @@ def load_quantized(modules: dict[str, nn.Module], name: str, shard_id: Optional[
 
 
 def finish_quantized_loading(modules: dict[str, nn.Module]) -> None:
+    """Each quantized module's ``process_weights_after_loading`` once; the K-quant tiles they make share one
+    ``weight_arena`` (huge pages, see ``pagedllm.utils.hugepages``)."""
+    from pagedllm.utils.hugepages import weight_arena
+
     seen: set[int] = set()
-    for mod in modules.values():
-        if id(mod) not in seen:
-            seen.add(id(mod))
-            mod.process_weights_after_loading()
+    with weight_arena():
+        for mod in modules.values():
+            if id(mod) not in seen:
+                seen.add(id(mod))
+                mod.process_weights_after_loading()

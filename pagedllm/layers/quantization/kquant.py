@@ -40,6 +40,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pagedllm import kernels
+from pagedllm.utils.hugepages import weight_empty
 
 KQUANT_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K})
 
@@ -87,7 +88,7 @@ class KQuantWeight:
         if nbytes < 0:
             raise ValueError(f"kquant: unsupported type {self.ggml_type.name} or n_in {self.n_in}")
         src = self.data.contiguous()
-        out = torch.empty(nbytes, dtype=torch.uint8)
+        out = weight_empty(nbytes)  # huge pages while a model loads (pagedllm.utils.hugepages.weight_arena)
         lib.kq_pack(int(self.ggml_type), src.data_ptr(), self.rows, self.n_in, src.shape[1], out.data_ptr())
         if self.file_backed and src.data_ptr() == self.data.data_ptr():
             lib.kq_release_file_pages(src.data_ptr(), src.numel())
@@ -175,22 +176,21 @@ def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], o
     """``x @ cat(weights).T -> [M, sum N_i]`` in ``out_dtype`` (bf16 / float32): each weight (any supported type,
     same ``n_in``) writes its own columns of the one output (a fused qkv / gate_up layer needs no cat). Weights not
     yet tiled are tiled for this call (layers tile theirs once at load)."""
+    from pagedllm.kernels.bindings import StackKqShard
+
     lib = lib or get_lib()
     weights = [w.tiled(lib) for w in weights]
     m, k = acts.m, acts.k
-    p_hi, p_lo, p_xs, p_s32, p_i16 = acts.ptrs
     n_total = sum(w.rows for w in weights)
     out = torch.empty(m, n_total, dtype=out_dtype)
-    esize = out.element_size()
-    col = 0
-    for w in weights:
-        rc = lib.kq_matmul(int(w.ggml_type), w.data.data_ptr(), w.rows, k, p_hi, p_lo, p_xs, p_s32, p_i16, m,
-                           out.data_ptr() + col * esize, n_total, int(out_dtype == torch.bfloat16), int(acts.bits == 8))
-        if rc == -2:
-            raise MemoryError(f"kquant_matmul: no memory for the int16 activations ({m} x {k})")
-        if rc != 0:
-            raise ValueError(f"kquant_matmul: unsupported ggml type {w.ggml_type.name}")
-        col += w.rows
+    shards = (StackKqShard * len(weights))(*[(int(w.ggml_type), w.rows, w.data.data_ptr()) for w in weights])
+    rc = lib.kq_matmul_shards(shards, len(weights), k, *acts.ptrs, m, out.data_ptr(), n_total,
+                              int(out_dtype == torch.bfloat16), int(acts.bits == 8))
+    if rc == -2:
+        raise MemoryError(f"kquant_matmul: no memory for the int16 activations ({m} x {k})")
+    if rc != 0:
+        raise ValueError(f"kquant_matmul: unsupported ggml types {[w.ggml_type.name for w in weights]} or too many "
+                         f"shards ({len(weights)})")
     return out
 
 
