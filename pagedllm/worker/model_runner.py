@@ -8,6 +8,7 @@ model once, computes logits only where a token is sampled (or prompt logprobs we
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pagedllm.attention.torch_attn import build_attention_metadata
+from pagedllm.attention.torch_attn import AttentionMetadata, DecodeBatch, build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.packed_linear import pack_linear_weights, packing_supported
@@ -271,8 +272,8 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, slot_mapping, bs, self.sliding_window,
                                         prefill_rows=prefill_rows)
         if self.num_groups > 1:  # each group's layers read and write through the group's own block tables
-            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows)
-                              for g in range(1, self.num_groups)]
+            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows,
+                                                   meta) for g in range(1, self.num_groups)]
             meta = [metas[g] for g in self.layout.layer_group]
 
         with step_rows(query_lens, prefill_rows=prefill_rows):  # int4 linears' kernel per row kind
@@ -369,17 +370,28 @@ class ModelRunner:
             spec_token_cost=spec_cost,
         )
 
-    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows):
-        """Attention metadata of KV cache group ``group`` >= 1 (its block tables and slots; same tokens)."""
+    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows,
+                        base: AttentionMetadata):
+        """Attention metadata of KV cache group ``group`` >= 1 (its block tables and slots; same tokens as group 0's
+        ``base``). A step of plain decode rows only (the common one) shares ``base``'s token rows and lengths and
+        swaps in the group's tables: the metadata ``build_attention_metadata`` would build, without rebuilding it
+        (Gemma 3 has 6 groups: ~0.2 ms a decode step)."""
         bs = self.block_size
         tables = [st.group_block_ids[group - 1] for st in states]
         bt_np = np.zeros((len(states), max(len(t) for t in tables)), dtype=np.int64)
         for i, t in enumerate(tables):
             bt_np[i, : len(t)] = t
         slot_np = bt_np[req_idx_np, pos_np // bs] * bs + pos_np % bs
+        window = self.layout.group_windows[group] or self.sliding_window
+        d = base.decode
+        if not base.prefills and d is not None and d.all_rows and d.block_tables.shape[0] == len(states):
+            bt = torch.from_numpy(bt_np).to(self.device)
+            return dataclasses.replace(
+                base, slot_mapping=torch.from_numpy(slot_np).to(self.device), block_tables=bt,
+                decode=DecodeBatch(token_rows=d.token_rows, block_tables=bt[:, : d.block_tables.shape[1]].contiguous(),
+                                   seq_lens=d.seq_lens, block_size=bs, sliding_window=window, all_rows=True))
         return build_attention_metadata(query_lens, seq_lens, torch.from_numpy(bt_np).to(self.device),
-                                        torch.from_numpy(slot_np).to(self.device), bs,
-                                        self.layout.group_windows[group] or self.sliding_window,
+                                        torch.from_numpy(slot_np).to(self.device), bs, window,
                                         prefill_rows=prefill_rows)
 
     def _prompt_logprobs(self, states, starts, query_lens, qsl, hidden) -> dict[str, LogprobsLists]:
