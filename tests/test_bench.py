@@ -581,6 +581,7 @@ def test_compare_quantized_rows():
                                                             "quantized": quant}))
     rows = {r.metric: r for r in C.build_rows(runs)}
     assert rows[f"{q}: decode step (median TPOT) / memory floor"].ours == pytest.approx(30.0 / 25.0)
+    assert "| 1.20x |" in C.format_ratio_table(list(rows.values()))  # a ratio of ours: two decimals, not "1.2"
     table = C.floor_table(runs)  # a quantized-only run: the machine's limits from its own floor run
     assert "memory read 20.0 GB/s" in table
     row = "| quantized as stored: decode step, single stream median TPOT (500 MB a token) | 30.0 ms | 25.0 ms | 83% |"

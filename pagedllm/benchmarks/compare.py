@@ -469,6 +469,7 @@ class Row:
     ours: Optional[float]
     peers: dict[str, Optional[float]]
     target: str = ""
+    is_ratio: bool = False  # ``ours`` is itself a ratio (shown as 1.23x, not 1.2)
 
 
 def build_rows(runs: list[Run]) -> list[Row]:
@@ -537,7 +538,7 @@ def build_rows(runs: list[Run]) -> list[Row]:
     floor_ms = quant_memory_floor_ms(runs)
     tpot = srv("quant-single", "pagedllm-int4", "median_tpot_ms")
     rows.append(Row(f"{q}: decode step (median TPOT) / memory floor", False,
-                    tpot / floor_ms if tpot and floor_ms else None, {}, "<= 1.3x"))
+                    tpot / floor_ms if tpot and floor_ms else None, {}, "<= 1.3x", is_ratio=True))
 
     def new_schema_cost(eng, suffix=""):
         """Median over the requests whose schema is new to the server of (their TTFT constrained - the same request's
@@ -589,7 +590,7 @@ def format_ratio_table(rows: list[Row]) -> str:
     for r in rows:
         if r.ours is None and all(v is None for v in r.peers.values()):
             continue  # a section this run did not measure
-        cells = [r.metric, _fmt(r.ours)]
+        cells = [r.metric, f"{r.ours:.2f}x" if r.is_ratio and r.ours is not None else _fmt(r.ours)]
         for p in peers:
             if p in r.peers:
                 q = ratio(r, p)

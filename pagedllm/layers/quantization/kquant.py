@@ -7,9 +7,10 @@ rows interleaved per tile so that one 32-bit SIMD lane holds 4 consecutive codes
 ``vpdpbusd`` / ``vpmaddubsw`` against a broadcast word of activations). Every code, scale and min is the file's own
 (no requantization; ``dequantize`` gives gguf's values back); Q8_0 / Q5_0 / Q6_K tiles are the file's size, Q4_K /
 Q5_K's 6-bit scales are unpacked to bytes (+2.8 % / +2.3 %). The file's view is dropped once tiled, so resident
-weight memory is the tiled bytes (the mapped pages are dropped: ``file_backed``). A decode GEMV streams each tile
-once, sequentially (prefetching 4 KB ahead), 16 rows per instruction, with the block scales applied per group to one
-float32 accumulator per row (the epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
+weight memory is the tiled bytes (the mapped pages are dropped: ``file_backed``; the tiles are carved from
+huge-page-advised memory while a model loads: ``pagedllm.utils.hugepages.weight_arena``). A decode GEMV streams each
+tile once, sequentially (prefetching 2 KB ahead), 16 rows per instruction, with the block scales applied per group to
+one float32 accumulator per row (the epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
 along K before: 2.5-3x the memory floor at decode; now 1.15-1.6x, see the issue-20 report.)
 
 The activations are quantized per 32 inputs to 15 bits (``quantize_activations``); the u8 x s8 products are summed
