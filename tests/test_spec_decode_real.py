@@ -181,9 +181,12 @@ def test_smollm2_bf16_greedy_identical_with_ngram_at_each_level(quantization, le
     st = spec.llm_engine.engine_core.scheduler.spec_stats
     assert st.num_accepted_tokens > 0.3 * st.num_draft_tokens > 20, st
     identical = got == ref and got0 == ref0
-    if level == "none":  # torch's float32 LM head (MKL) sums by the number of rows: logits off by ~1e-5
-        if not identical:
-            pytest.xfail(f"level none: {differ}/{compared} verify rows' logits differ and so does the output")
+    if level == "none":  # torch paths: not promised batch or chunk invariant (MKL sums by the number of rows)
+        if not identical:  # say which part differed: the verify rows alone, or the batch whose chunks moved
+            pytest.xfail(f"level none: {differ}/{compared} verify rows' logits differ; the prompt alone "
+                         f"{'differs' if got0 != ref0 else 'is identical'}, the batch (verify rows move the other "
+                         f"prompts' prefill chunk boundaries; torch's prefill is not chunk invariant) "
+                         f"{'differs' if got != ref else 'is identical'}")
     else:
         assert bitwise, f"{differ} of {compared} verify rows' logits differ from the decode step's"
     assert got0 == ref0
