@@ -37,7 +37,7 @@ def reference(q, k_cache, v_cache, block_tables, seq_lens, rows, scale, window):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("D", [32, 64, 128, 40])  # 64/128: specialised vector paths; 40: scalar fallback
+@pytest.mark.parametrize("D", [32, 64, 128, 256, 40])  # 64/128/256: specialised vector paths; 40: scalar fallback
 @pytest.mark.parametrize("n", [5, 1])  # 5 requests: one task per request; 1: one task per KV head
 def test_kernel_matches_reference(dtype, tol, window, D, n):
     require_native(cpu_kernels.get_lib())

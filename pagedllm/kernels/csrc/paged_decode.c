@@ -238,7 +238,7 @@ static inline __attribute__((always_inline)) void dp_task(
         int64_t row, uint16_t* out, int H, int KVH, int kh, int BS, float scale, int64_t q_stride, const int G,
         const int ND, float* s, const int amx) {
     const int D = ND * 16, ctx = L - start, NP = ND / 2;
-    __m512bh qv[6][4];
+    __m512bh qv[6][8];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < NP; ++c)
             qv[g][c] = (__m512bh)_mm512_loadu_si512((const void*)(q + row * q_stride + ((int64_t)kh * G + g) * D
@@ -325,7 +325,7 @@ static inline __attribute__((always_inline)) void dp_task(
         }
         inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
     }
-    __m512 acc[6][8];
+    __m512 acc[6][16];
     for (int g = 0; g < G; ++g)
         for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_setzero_ps();
     pb = (start + V_PREFETCH_TOKENS) / BS, po = (start + V_PREFETCH_TOKENS) % BS;
@@ -339,7 +339,7 @@ static inline __attribute__((always_inline)) void dp_task(
         }
         /* 32 dims per load, widened in two ops: even dims (low halves) shifted up, odd dims (high halves) masked,
          * so acc[g][2c] holds dims 32c, 32c+2, ... and acc[g][2c+1] dims 32c+1, 32c+3, ... */
-        __m512 vv[8];
+        __m512 vv[16];
         for (int c = 0; c < NP; ++c) {
             const __m512i x = _mm512_loadu_si512((const void*)(vp + 32 * c));
             vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -375,6 +375,16 @@ static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_
         for (int kh = h0; kh < h1; ++kh)                                                                      \
             dp_task(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, kh, BS, scale, q_stride, G_, ND_, s, amx); \
         return 1;
+    if (ND == 16) { /* head_dim 256 (Gemma 3): one query head at a time (16 accumulators in registers), whatever G
+                     * is or how the heads were split into tasks, so a head's arithmetic never depends on either */
+        for (int kh = h0; kh < h1; ++kh)
+            for (int g = 0; g < G; ++g) {
+                const int64_t shift = (int64_t)(kh * (G - 1) + g) * 256; /* head kh * G + g as head kh of G = 1 */
+                dp_task(q + shift, k_cache, v_cache, bt, L, start, row, out + shift, H, KVH, kh, BS, scale, q_stride,
+                        1, 16, s, 0);
+            }
+        return 1;
+    }
     switch (G * 16 + ND) {
         DP_CASE(1, 4) DP_CASE(2, 4) DP_CASE(3, 4) DP_CASE(4, 4) DP_CASE(5, 4) DP_CASE(6, 4)
         DP_CASE(1, 8) DP_CASE(2, 8) DP_CASE(3, 8)
