@@ -35,6 +35,24 @@ def _tokens_and_logprobs(out) -> tuple:
     return c.token_ids, [{k: v.logprob for k, v in d.items()} for d in c.logprobs]
 
 
+def _tiny_case(name: str, level: str, prompt_lens, max_tokens: int, tmp_path_factory):
+    """(folder of tiny HF config ``name`` saved, random prompts of ``prompt_lens`` tokens, greedy SamplingParams with
+    logprobs, bf16 engine kwargs at ``level`` with a 16-token budget that chunks the prompts)."""
+    from test_models import _load_pair
+
+    from pagedllm import SamplingParams
+
+    hf, _ = _load_pair(name, tmp_path_factory)
+    folder = str(tmp_path_factory.mktemp(f"fused-{name}"))
+    hf.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in prompt_lens]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=3)
+    kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
+              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False, cpu_isa=level)
+    return folder, prompts, sp, kw
+
+
 @pytest.mark.parametrize("backend,level", _BACKENDS)
 @pytest.mark.parametrize("name", ["llama-tied-bias", "mistral-sliding", "qwen2-bias"])
 def test_fused_stack_equals_python_layer_loop(name, backend, level, tmp_path_factory, monkeypatch):
@@ -42,20 +60,10 @@ def test_fused_stack_equals_python_layer_loop(name, backend, level, tmp_path_fac
     one); mistral-sliding: head_dim 32 and a 5-token window (prefill and mixed steps fused too on AMX; without AMX
     only decode-only steps); qwen2-bias: q/k/v bias. A 16-token budget chunks the prompts, so steps mix prefill
     chunks with decodes."""
-    from test_models import _load_pair
-
+    from pagedllm import LLM
     from pagedllm.layers import packed_linear
 
-    from pagedllm import LLM, SamplingParams
-
-    hf, _ = _load_pair(name, tmp_path_factory)
-    folder = str(tmp_path_factory.mktemp(f"fused-{name}"))
-    hf.save_pretrained(folder)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in (5, 23, 40)]
-    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-    kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
-              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False, cpu_isa=level)
+    folder, prompts, sp, kw = _tiny_case(name, level, (5, 23, 40), 8, tmp_path_factory)
     calls = {"fused": 0, "prefill": 0}
     orig = FusedStack.forward
 
@@ -221,19 +229,10 @@ def test_gemma_fused_stack_equals_python_layer_loop(name, backend, level, tmp_pa
     the sliding layers (their own KV cache groups and block tables: prompts and outputs pass the window), a q/k/v
     bias and an untied head in the second config. Decode steps fuse, prefill steps take the Python loop; greedy
     tokens and logprobs equal PAGEDLLM_FUSED_STACK=0's, three prompts side by side."""
-    from test_models import _load_pair
-
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
     from pagedllm.layers import packed_linear
 
-    hf, _ = _load_pair(name, tmp_path_factory)
-    folder = str(tmp_path_factory.mktemp(f"fused-{name}"))
-    hf.save_pretrained(folder)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=gen).tolist()} for n in (3, 9, 17)]
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-    kw = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, kv_cache_memory_bytes=4 << 20,
-              quantization="none", max_num_batched_tokens=16, enable_prefix_caching=False, cpu_isa=level)
+    folder, prompts, sp, kw = _tiny_case(name, level, (3, 9, 17), 12, tmp_path_factory)
     calls = _count_gemma_fused(monkeypatch)
     results, counts = {}, {}
     for fused in ("1", "0"):

@@ -136,27 +136,26 @@ def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, groups: int
     return out
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-    """``F.gelu(gate, approximate="tanh") * up`` for bf16 ``gate_up [T, 2 * I]`` (gate first) -> ``[T, I]`` (Gemma's
-    GeGLU; same two roundings); None when the C kernel can't run."""
-    fn = _fused_fn(gate_up, "gelu_tanh_mul") if gate_up.dtype == torch.bfloat16 else None  # bf16 only
+def _act_and_mul(gate_up: torch.Tensor, fn) -> Optional[torch.Tensor]:
+    """``act(gate) * up`` by the C function ``fn`` for ``gate_up [T, 2 * I]`` (gate first) -> ``[T, I]``; None when
+    ``fn`` is None or ``gate_up`` isn't 2-D."""
     if fn is None or gate_up.dim() != 2:
         return None
     T, I2 = gate_up.shape
     out = gate_up.new_empty((T, I2 // 2))
     fn(gate_up.data_ptr(), out.data_ptr(), T, I2 // 2)
     return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """``F.gelu(gate, approximate="tanh") * up`` for bf16 ``gate_up [T, 2 * I]`` (gate first) -> ``[T, I]`` (Gemma's
+    GeGLU; same two roundings); None when the C kernel can't run."""
+    return _act_and_mul(gate_up, _fused_fn(gate_up, "gelu_tanh_mul") if gate_up.dtype == torch.bfloat16 else None)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first) -> ``[T, I]``; None when the C kernel can't run."""
-    fn = _fused_fn(gate_up, "silu_mul")
-    if fn is None or gate_up.dim() != 2:
-        return None
-    T, I2 = gate_up.shape
-    out = gate_up.new_empty((T, I2 // 2))
-    fn(gate_up.data_ptr(), out.data_ptr(), T, I2 // 2)
-    return out
+    return _act_and_mul(gate_up, _fused_fn(gate_up, "silu_mul"))
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

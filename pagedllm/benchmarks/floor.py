@@ -158,14 +158,14 @@ def measure_limits(dtype: str = "bfloat16", buffer_bytes: int = 512 << 20, gemm_
                     flops = 2 * m * k * n / (time.perf_counter() - t0)
                     if flops > best_flops:
                         best_flops, best_dtype = flops, name
-        from pagedllm.utils.hugepages import _advised_mapping
+        from pagedllm.utils.hugepages import advised_mapping
 
         bws = {}
         for pages in ("small", "huge"):
             if pages == "small":
                 buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
             else:  # our K-quant weights live in huge pages (utils/hugepages.py): the machine reads those faster
-                raw = _advised_mapping(buffer_bytes)
+                raw = advised_mapping(buffer_bytes)
                 if raw is None:
                     continue
                 buf = raw[: buffer_bytes // 4 * 4].view(torch.float32)

@@ -56,14 +56,14 @@ def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> l
     for n in sizes:
         offsets.append(total)
         total += -(-n // _ALIGN) * _ALIGN
-    arena = _advised_mapping(total) if _enabled() and total >= HUGE_PAGE else None
+    arena = advised_mapping(total) if _enabled() and total >= HUGE_PAGE else None
     if arena is None:
         return [torch.zeros(tuple(s), dtype=dtype) for s in shapes]
     arena.zero_()  # fresh anonymous memory is already zero; this only faults the pages in
     return [arena[o : o + n].view(dtype).view(tuple(s)) for o, n, s in zip(offsets, sizes, shapes)]
 
 
-def _advised_mapping(nbytes: int) -> Optional[torch.Tensor]:
+def advised_mapping(nbytes: int) -> Optional[torch.Tensor]:
     """``nbytes`` uint8 of a fresh private anonymous mapping, starting on a huge page and advised for huge pages
     (``MADV_HUGEPAGE``); None where no such mapping can be made. Untouched; views keep the mapping alive."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -100,7 +100,7 @@ class WeightArena:
         need = -(-nbytes // 64) * 64
         if self._chunk is None or self._off + need > self._chunk.numel():
             size = max(self.chunk_bytes, -(-need // HUGE_PAGE) * HUGE_PAGE)
-            chunk = _advised_mapping(size)
+            chunk = advised_mapping(size)
             if chunk is None:
                 return torch.empty(nbytes, dtype=torch.uint8)
             if size > self.chunk_bytes:  # a mapping of its own; the current chunk goes on taking small tensors

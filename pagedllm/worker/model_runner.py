@@ -8,10 +8,9 @@ model once, computes logits only where a token is sampled (or prompt logprobs we
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -383,16 +382,15 @@ class ModelRunner:
             bt_np[i, : len(t)] = t
         slot_np = bt_np[req_idx_np, pos_np // bs] * bs + pos_np % bs
         window = self.layout.group_windows[group] or self.sliding_window
+        bt = torch.from_numpy(bt_np).to(self.device)
+        slots = torch.from_numpy(slot_np).to(self.device)
         d = base.decode
         if not base.prefills and d is not None and d.all_rows and d.block_tables.shape[0] == len(states):
-            bt = torch.from_numpy(bt_np).to(self.device)
-            return dataclasses.replace(
-                base, slot_mapping=torch.from_numpy(slot_np).to(self.device), block_tables=bt,
-                decode=DecodeBatch(token_rows=d.token_rows, block_tables=bt[:, : d.block_tables.shape[1]].contiguous(),
-                                   seq_lens=d.seq_lens, block_size=bs, sliding_window=window, all_rows=True))
-        return build_attention_metadata(query_lens, seq_lens, torch.from_numpy(bt_np).to(self.device),
-                                        torch.from_numpy(slot_np).to(self.device), bs, window,
-                                        prefill_rows=prefill_rows)
+            return replace(base, slot_mapping=slots, block_tables=bt,
+                           decode=DecodeBatch(token_rows=d.token_rows, seq_lens=d.seq_lens, block_size=bs,
+                                              block_tables=bt[:, : d.block_tables.shape[1]].contiguous(),
+                                              sliding_window=window, all_rows=True))
+        return build_attention_metadata(query_lens, seq_lens, bt, slots, bs, window, prefill_rows=prefill_rows)
 
     def _prompt_logprobs(self, states, starts, query_lens, qsl, hidden) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens 1..P-1 (position p predicts token p+1), for requests that asked for them."""

@@ -41,6 +41,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pagedllm import kernels
+from pagedllm.kernels.bindings import StackKqShard
 from pagedllm.utils.hugepages import weight_empty
 
 KQUANT_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K})
@@ -177,8 +178,6 @@ def kquant_matmul(acts: QuantizedActivations, weights: Sequence[KQuantWeight], o
     """``x @ cat(weights).T -> [M, sum N_i]`` in ``out_dtype`` (bf16 / float32): each weight (any supported type,
     same ``n_in``) writes its own columns of the one output (a fused qkv / gate_up layer needs no cat). Weights not
     yet tiled are tiled for this call (layers tile theirs once at load)."""
-    from pagedllm.kernels.bindings import StackKqShard
-
     lib = lib or get_lib()
     weights = [w.tiled(lib) for w in weights]
     m, k = acts.m, acts.k
