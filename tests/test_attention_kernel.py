@@ -180,7 +180,7 @@ def test_amx_prefill_attention_declines_unsupported_shapes(monkeypatch):
 
 
 @pytest.mark.parametrize("amx", ["1", "0"])
-@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (12, 2, 64), (6, 2, 128)])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (12, 2, 64), (6, 2, 128), (14, 2, 64), (12, 2, 128), (32, 8, 64)])
 @pytest.mark.parametrize("window", [None, 21])
 def test_decode_kernel_block16_matches_reference(amx, H, KVH, D, window, monkeypatch):
     """block_size 16 (whole 16-token tiles inside a block): the score pass runs on AMX tiles where they are
@@ -215,11 +215,14 @@ def _decode_block16_case(H, KVH, D, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("H, KVH, D", [(4, 1, 256), (4, 1, 64), (6, 2, 128), (3, 1, 128)])
+@pytest.mark.parametrize("H, KVH, D", [(4, 1, 256), (4, 1, 64), (6, 2, 128), (3, 1, 128), (14, 2, 64), (32, 8, 64),
+                                     (12, 2, 128)])
 def test_decode_alone_equals_among_others_across_the_head_split(dtype, H, KVH, D):
     """With fewer (request, KV head) tasks than threads the kernel cuts each KV head's query heads among the threads
     (one request of Gemma 3 270M: 4 query heads on 1 KV head); with many requests it doesn't. A request's output is
-    the same bits either way, at 1, 2 and 3 threads, and within bound of float64."""
+    the same bits either way, at 1, 2 and 3 threads, and within bound of float64. Alone, a request's task holds one
+    KV head; among others, all of them, so on AMX several heads share one score tile (32 on 8: three tiles, their
+    Q^T tiles reloaded per tile): each head's columns must sum only its own products."""
     require_native(cpu_kernels.get_lib())
     torch.manual_seed(1)
     BS, NB, n = 16, 100, 6

@@ -207,109 +207,212 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
 #include <omp.h>
 
 #if defined(__AVX512BF16__)
-/* bf16 fast path (CPUs with AVX512-BF16): q.k with vdpbf16ps straight on the bf16 rows (exact products, float32
- * sums; no widening of K), and P.V with all G x ND accumulators in registers, one pass over V. G and ND are
- * compile-time constants in each instantiation (dp_dispatch), so the accumulators stay in zmm registers. One KV
- * head per call; P stays float32 (unlike flash-attention kernels that round it to bf16). */
-/* Software prefetch distances (tokens). Each KV block is a jump the hardware prefetcher can't follow, and a head's
- * row is 128 of every KVH * D * 2 bytes. 32 requests x 215 tokens x 30 layers (SmolLM2, random block tables, 2
- * threads): 21.5 -> 14.7 ms with K and V rows prefetched 16 tokens ahead, 13.4 ms with V also pulled into L2 during
- * the K pass; 8 to 48 tokens measured the same. */
-#define V_PREFETCH_TOKENS 16
-#define K_PREFETCH_TOKENS 16
+/* bf16 fast path (CPUs with AVX512-BF16), head_dim 64, 128 or 256: dp_req below. q.k from exact bf16 products summed
+ * in float32 (vdpbf16ps, or AMX tiles where the process holds them), no widening of K; P stays float32 (unlike
+ * flash-attention kernels that round it to bf16).
+ *
+ * Memory: a token's K (and V) rows of all KV heads are adjacent in the cache, so the kernel walks a request's
+ * context 16 tokens at a time across all the task's heads (one run of memory per block) and prefetches the K and V
+ * rows REQ_PREFETCH_TOKENS ahead into L2 during the score pass; the P.V pass then reads V from L2. Each KV block is
+ * a jump the hardware prefetcher can't follow. Measured (Xeon, AMX, 2 threads, random block tables, one layer's
+ * call, medians of interleaved runs): 32 requests x 160 tokens, Qwen2.5-0.5B's heads (14 on 2, head_dim 64)
+ * 222 -> 137 us and Qwen2.5-1.5B's (12 on 2, head_dim 128) 8 x 1,000 tokens 736 -> 550 us against the previous
+ * per-head passes with K widened to float32 (their G had no unrolled case); SmolLM2's (9 on 3) the same as the
+ * per-head unrolled kernel it replaces (~180 us: latency of the block jumps, not arithmetic, bounds it); 16, 48 and
+ * 64 tokens ahead measured the same as 32, and L1 (T0) prefetches of K slower. */
+#define REQ_PREFETCH_TOKENS 32
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* AMX score pass: a 16-token tile's K rows (one cache block when BS % 16 == 0) are the "A" tile, loaded straight
- * from the cache at a row stride of KVH * D; Q^T of the G query heads is held in up to 4 VNNI "B" tiles (G of their
- * 16 columns used); the 16 x G scores come out of one accumulator tile. TDPBF16PS sums exact bf16 products in fp32,
- * like vdpbf16ps. On only when the process holds the AMX tile state (paged_decode_use_amx, set from Python once
- * pagedllm.utils.amx has asked for it). Tiles: 0 = scores, 4 = K rows, 2/3/5/6 = Q^T for dims 0-31/.../96-127. */
+/* AMX score pass: see dp_req. On only when the process holds the AMX tile state (paged_decode_use_amx, set from
+ * Python once pagedllm.utils.amx has asked for it). Tiles: 0 = scores, 1 = K rows, 2..7 = Q^T. */
 #include "amx.h"
 #define HAVE_AMX_SCORES 1
 static int g_use_amx = 0;
 void paged_decode_use_amx(int on) { g_use_amx = on; }
+
+/* Loads Q^T tile p (tile register 2 + p, p < 6) from buf (1 KB, VNNI pairs x 16 columns). */
+static inline void qt_load(int p, const uint32_t* buf) {
+    amx_fence(); /* buf may just have been written */
+    switch (p) {
+        case 0: _tile_loadd(2, buf, 64); break;
+        case 1: _tile_loadd(3, buf, 64); break;
+        case 2: _tile_loadd(4, buf, 64); break;
+        case 3: _tile_loadd(5, buf, 64); break;
+        case 4: _tile_loadd(6, buf, 64); break;
+        default: _tile_loadd(7, buf, 64); break;
+    }
+}
+
+/* Builds in buf the Q^T tile of dims [32c, 32c + 32) for 16 query-head columns (cols[n] = NULL: a zero column). */
+static inline void qt_build(int c, const uint16_t* const cols[16], uint32_t* buf) {
+    __m512i r[16];
+    for (int n = 0; n < 16; n++)
+        r[n] = cols[n] ? _mm512_loadu_si512((const void*)(cols[n] + 32 * c)) : _mm512_setzero_si512();
+    transpose16x16_epi32(r);
+    for (int n = 0; n < 16; n++) _mm512_store_si512((void*)(buf + 16 * n), r[n]);
+}
+
+/* scores tile 0 += K rows (tile 1: 16 rows `stride` bytes apart from kp) x Q^T tile 2 + p */
+static inline void qk_tile(int p, const uint16_t* kp, int64_t stride) {
+    _tile_loadd(1, kp, stride);
+    switch (p) {
+        case 0: _tile_dpbf16ps(0, 1, 2); break;
+        case 1: _tile_dpbf16ps(0, 1, 3); break;
+        case 2: _tile_dpbf16ps(0, 1, 4); break;
+        case 3: _tile_dpbf16ps(0, 1, 5); break;
+        case 4: _tile_dpbf16ps(0, 1, 6); break;
+        default: _tile_dpbf16ps(0, 1, 7); break;
+    }
+}
 #else
 #define HAVE_AMX_SCORES 0
 static const int g_use_amx = 0;
 void paged_decode_use_amx(int on) { (void)on; }
 #endif
-static inline __attribute__((always_inline)) void dp_task(
-        const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int L, int start,
-        int64_t row, uint16_t* out, int H, int KVH, int kh, int BS, float scale, int64_t q_stride, const int G,
-        const int ND, float* s, const int amx) {
-    const int D = ND * 16, ctx = L - start, NP = ND / 2;
-    __m512bh qv[6][8];
-    for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NP; ++c)
-            qv[g][c] = (__m512bh)_mm512_loadu_si512((const void*)(q + row * q_stride + ((int64_t)kh * G + g) * D
-                                                                   + 32 * c));
+
+/* P.V over the whole context for query heads gh0 .. gh0 + GC - 1 (rows of s and acc) of KV head kh: GC x ND float32
+ * accumulators in registers, token by token in order, so a head's sums never depend on which heads share the call.
+ * V rows are widened 32 dims per load in two ops: even dims (low halves) shifted up, odd dims (high halves) masked,
+ * so accumulator 2c holds dims 32c, 32c+2, ... and 2c+1 dims 32c+1, 32c+3, ... (dp_req's epilogue undoes it). */
+static inline __attribute__((always_inline)) void pv_span(
+        const uint16_t* v_cache, const int64_t* bt, int BS, int start, int L, int64_t row_elems, int kh,
+        const float* s, int64_t ctx, int gh0, float* acc, const int GC, const int ND) {
+    const int D = ND * 16, NP = ND / 2;
+    __m512 a[24];
+    for (int i = 0; i < GC * ND; ++i) a[i] = _mm512_setzero_ps();
+    for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {
+        const uint16_t* vp = v_cache + (bt[b] * BS + o) * row_elems + (int64_t)kh * D;
+        if (++o == BS) { o = 0; ++b; }
+        __m512 vv[16];
+        for (int c = 0; c < NP; ++c) {
+            const __m512i x = _mm512_loadu_si512((const void*)(vp + 32 * c));
+            vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+        }
+        for (int g = 0; g < GC; ++g) {
+            const __m512 pw = _mm512_set1_ps(s[(int64_t)(gh0 + g) * ctx + (t - start)]);
+            for (int j = 0; j < ND; ++j) a[g * ND + j] = _mm512_fmadd_ps(pw, vv[j], a[g * ND + j]);
+        }
+    }
+    for (int g = 0; g < GC; ++g)
+        for (int j = 0; j < ND; ++j) _mm512_store_ps(acc + (int64_t)(gh0 + g) * D + 16 * j, a[g * ND + j]);
+}
+
+/* pv_span for the G query heads of KV head kh, in parts of at most 24 accumulators (ND 4: 6 heads, 8: 3, 16: 1). */
+static inline void pv_head(const uint16_t* v_cache, const int64_t* bt, int BS, int start, int L, int64_t row_elems,
+                           int kh, int G, int h0, const float* s, int64_t ctx, float* acc, const int ND) {
+    const int cmax = 24 / ND, parts = (G + cmax - 1) / cmax;
+    for (int part = 0; part < parts; ++part) {
+        const int g0 = G * part / parts, gc = G * (part + 1) / parts - g0, gh0 = (kh - h0) * G + g0;
+#define PV_CASE(C_) case C_: pv_span(v_cache, bt, BS, start, L, row_elems, kh, s, ctx, gh0, acc, C_, ND); break;
+        switch (gc) { PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4) PV_CASE(5) default: PV_CASE(6) }
+#undef PV_CASE
+    }
+}
+
+/* Decode attention of one request for KV heads [h0, h1) (G query heads each, G (h1 - h0) <= 64), head_dim 16 ND
+ * (ND 4, 8 or 16), bf16, in three passes over the context:
+ *   scores: 16 tokens at a time across all the task's heads; q.k either on AMX (`amx`, ND <= 8: one 16-token x
+ *   16-column score tile for up to 16 / G KV heads at once, each head's Q^T tiles holding its own G columns and zeros
+ *   elsewhere, so a column sums exactly its own head's products in its own dim order while the other heads add exact
+ *   zeros) or by vdpbf16ps per (query head, token), the 16 tokens' lanes reduced as reduce16; times `scale`;
+ *   softmax per query head (max, exp16, one float32 sum);
+ *   P.V per KV head (pv_head).
+ * A query head's arithmetic is the same whichever heads share the task or its score tile (tested: alone vs among
+ * others at every task split). s: G (h1 - h0) x ctx floats; acc: G (h1 - h0) x D floats, 64-byte aligned; qbuf:
+ * (h1 - h0) x ND / 2 KB, 64-byte aligned (AMX only). */
+static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int L,
+                   int start, int64_t row, uint16_t* out, int H, int KVH, int h0, int h1, int G, int BS, float scale,
+                   int64_t q_stride, const int ND, float* s, float* acc, uint32_t* qbuf, int amx) {
+    const int D = ND * 16, ctx = L - start, NP = ND / 2, NH = h1 - h0, GH = NH * G;
+    const int64_t row_elems = (int64_t)KVH * D;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 mxv[64];
+    for (int gh = 0; gh < GH; ++gh) mxv[gh] = _mm512_set1_ps(-INFINITY);
 #if HAVE_AMX_SCORES
+    /* KV heads per score tile: their G columns each fit its 16, their Q^T tiles the 6 registers 2..7 */
+    int kc = 16 / G < 6 / NP ? 16 / G : 6 / NP;
+    if (kc > NH) kc = NH;
+    if (kc < 1) amx = 0;
+    const int nchunk = amx ? (NH + kc - 1) / kc : 0;
     float cbuf[16 * 16] __attribute__((aligned(64)));
-    const __m512i col_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(16)); /* column g of cbuf: elements g + 16 i */
-    if (amx) { /* Q^T tiles: column n = query head kh * G + n */
-        uint32_t qb[16 * 16] __attribute__((aligned(64)));
-        const uint16_t* qcols[16];
-        for (int n = 0; n < G; ++n) qcols[n] = q + row * q_stride + ((int64_t)kh * G + n) * D;
-        for (int c = 0; c < NP; ++c) amx_build_qt(c, qcols, G, qb);
+    for (int kh = h0; amx && kh < h1; ++kh) { /* Q^T tiles in qbuf (1 KB each); loaded once when one chunk holds all */
+        const int ch0 = h0 + (kh - h0) / kc * kc;
+        const uint16_t* cols[16] = {0};
+        for (int g = 0; g < G; ++g) cols[(kh - ch0) * G + g] = q + row * q_stride + ((int64_t)kh * G + g) * D;
+        for (int c = 0; c < NP; ++c) {
+            uint32_t* buf = qbuf + (int64_t)((kh - h0) * NP + c) * 256;
+            qt_build(c, cols, buf);
+            if (nchunk == 1) qt_load((kh - ch0) * NP + c, buf);
+        }
     }
 #endif
-    __m512 mxv[6];
-    for (int g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-INFINITY);
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const int64_t row_elems = (int64_t)KVH * D; /* elements from one token's row to the next in a block */
-    /* Block cursors (block index, offset) of the current tile's first token and of the prefetch target, advanced
-     * token by token: no division in the loop. */
     int cb = start / BS, co = start % BS;
-    int pb = (start + K_PREFETCH_TOKENS) / BS, po = (start + K_PREFETCH_TOKENS) % BS;
+    int pb = (start + REQ_PREFETCH_TOKENS) / BS, po = (start + REQ_PREFETCH_TOKENS) % BS;
     for (int t0 = start; t0 < L; t0 += 16) {
         const int nt = L - t0 < 16 ? L - t0 : 16;
         const __mmask16 km = (__mmask16)((1u << nt) - 1u);
-        const uint16_t* rowp[16];
+        int64_t off[16]; /* the tile's rows in the cache, elements */
         for (int i = 0; i < nt; ++i) {
-            rowp[i] = k_cache + (bt[cb] * BS + co) * row_elems + (int64_t)kh * D;
+            off[i] = (bt[cb] * BS + co) * row_elems;
             if (++co == BS) { co = 0; ++cb; }
         }
-        if (t0 + K_PREFETCH_TOKENS < L) { /* K rows of this head ahead (to L1), V rows to L2 for the second pass */
-            const int nn = L - t0 - K_PREFETCH_TOKENS < 16 ? L - t0 - K_PREFETCH_TOKENS : 16;
-            for (int i = 0; i < nn; ++i) {
-                const int64_t off = (bt[pb] * BS + po) * row_elems + (int64_t)kh * D;
-                if (++po == BS) { po = 0; ++pb; }
-                for (int c = 0; c < D * 2; c += 64) _mm_prefetch((const char*)(k_cache + off) + c, _MM_HINT_T0);
-                for (int c = 0; c < D * 2; c += 64) _mm_prefetch((const char*)(v_cache + off) + c, _MM_HINT_T1);
-            }
+        for (int i = 0; i < 16 && t0 + REQ_PREFETCH_TOKENS + i < L; ++i) { /* K and V rows ahead, to L2 */
+            const int64_t o = (bt[pb] * BS + po) * row_elems + (int64_t)h0 * D;
+            if (++po == BS) { po = 0; ++pb; }
+            for (int c = 0; c < NH * D * 2; c += 64) _mm_prefetch((const char*)(k_cache + o) + c, _MM_HINT_T1);
+            for (int c = 0; c < NH * D * 2; c += 64) _mm_prefetch((const char*)(v_cache + o) + c, _MM_HINT_T1);
         }
 #if HAVE_AMX_SCORES
         if (amx) { /* rows past L (same block) are read but masked out by km */
-            _tile_zero(0);
-            for (int c = 0; c < NP; ++c) amx_qk_half(c, rowp[0], row_elems * 2);
-            _tile_stored(0, cbuf, 64);
-            for (int g = 0; g < G; ++g) {
-                const __m512 sv = _mm512_mul_ps(_mm512_i32gather_ps(col_idx, cbuf + g, 4), vscale);
-                _mm512_mask_storeu_ps(s + (int64_t)g * ctx + (t0 - start), km, sv);
-                mxv[g] = _mm512_mask_max_ps(mxv[g], km, mxv[g], sv);
+            for (int ch = 0; ch < nchunk; ++ch) {
+                const int ch0 = h0 + ch * kc, ch1 = ch0 + kc < h1 ? ch0 + kc : h1;
+                if (nchunk > 1)
+                    for (int kh = ch0; kh < ch1; ++kh)
+                        for (int c = 0; c < NP; ++c)
+                            qt_load((kh - ch0) * NP + c, qbuf + (int64_t)((kh - h0) * NP + c) * 256);
+                _tile_zero(0);
+                for (int kh = ch0; kh < ch1; ++kh)
+                    for (int c = 0; c < NP; ++c)
+                        qk_tile((kh - ch0) * NP + c, k_cache + off[0] + (int64_t)kh * D + 32 * c, row_elems * 2);
+                _tile_stored(0, cbuf, 64);
+                __m512i r[16];
+                for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512((const void*)(cbuf + 16 * i));
+                transpose16x16_epi32(r); /* r[n]: score column n (a query head) of the 16 tokens */
+                for (int n = 0; n < (ch1 - ch0) * G; ++n) {
+                    const int gh = (ch0 - h0) * G + n;
+                    const __m512 sv = _mm512_mul_ps(_mm512_castsi512_ps(r[n]), vscale);
+                    _mm512_mask_storeu_ps(s + (int64_t)gh * ctx + (t0 - start), km, sv);
+                    mxv[gh] = _mm512_mask_max_ps(mxv[gh], km, mxv[gh], sv);
+                }
             }
             continue;
         }
 #endif
-        for (int g = 0; g < G; ++g) {
-            __m512 dots[16];
-            for (int i = 0; i < 16; ++i) {
-                __m512 a = _mm512_setzero_ps();
-                if (i < nt)
-                    for (int c = 0; c < NP; ++c)
-                        a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512((const void*)(rowp[i] + 32 * c)));
-                dots[i] = a;
+        for (int kh = h0; kh < h1; ++kh)
+            for (int g = 0; g < G; ++g) {
+                const int gh = (kh - h0) * G + g;
+                const uint16_t* qp = q + row * q_stride + ((int64_t)kh * G + g) * D;
+                __m512bh qv[8];
+                for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512((const void*)(qp + 32 * c));
+                __m512 dots[16];
+                for (int i = 0; i < 16; ++i) {
+                    __m512 a = _mm512_setzero_ps();
+                    if (i < nt)
+                        for (int c = 0; c < NP; ++c)
+                            a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(
+                                (const void*)(k_cache + off[i] + (int64_t)kh * D + 32 * c)));
+                    dots[i] = a;
+                }
+                const __m512 sv = _mm512_mul_ps(reduce16(dots), vscale);
+                _mm512_mask_storeu_ps(s + (int64_t)gh * ctx + (t0 - start), km, sv);
+                mxv[gh] = _mm512_mask_max_ps(mxv[gh], km, mxv[gh], sv);
             }
-            const __m512 sv = _mm512_mul_ps(reduce16(dots), vscale);
-            _mm512_mask_storeu_ps(s + (int64_t)g * ctx + (t0 - start), km, sv);
-            mxv[g] = _mm512_mask_max_ps(mxv[g], km, mxv[g], sv);
-        }
     }
-    float inv_sum[6];
-    for (int g = 0; g < G; ++g) {
-        float* sg = s + (int64_t)g * ctx;
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[g]));
+    float inv_sum[64];
+    for (int gh = 0; gh < GH; ++gh) {
+        float* sg = s + (int64_t)gh * ctx;
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[gh]));
         __m512 sum = _mm512_setzero_ps();
         int i = 0;
         for (; i + 16 <= ctx; i += 16) {
@@ -323,74 +426,39 @@ static inline __attribute__((always_inline)) void dp_task(
             _mm512_mask_storeu_ps(sg + i, k, e);
             sum = _mm512_add_ps(sum, e);
         }
-        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv_sum[gh] = 1.0f / _mm512_reduce_add_ps(sum);
     }
-    __m512 acc[6][16];
-    for (int g = 0; g < G; ++g)
-        for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_setzero_ps();
-    pb = (start + V_PREFETCH_TOKENS) / BS, po = (start + V_PREFETCH_TOKENS) % BS;
-    for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {
-        const uint16_t* vp = v_cache + (bt[b] * BS + o) * row_elems + (int64_t)kh * D;
-        if (++o == BS) { o = 0; ++b; }
-        if (t + V_PREFETCH_TOKENS < L) { /* V rows a few tokens ahead (across block jumps) */
-            const char* pv = (const char*)(v_cache + (bt[pb] * BS + po) * row_elems + (int64_t)kh * D);
-            if (++po == BS) { po = 0; ++pb; }
-            for (int c = 0; c < D * 2; c += 64) _mm_prefetch(pv + c, _MM_HINT_T0);
+    for (int kh = h0; kh < h1; ++kh)
+        switch (ND) {
+            case 4: pv_head(v_cache, bt, BS, start, L, row_elems, kh, G, h0, s, ctx, acc, 4); break;
+            case 8: pv_head(v_cache, bt, BS, start, L, row_elems, kh, G, h0, s, ctx, acc, 8); break;
+            default: pv_head(v_cache, bt, BS, start, L, row_elems, kh, G, h0, s, ctx, acc, 16); break;
         }
-        /* 32 dims per load, widened in two ops: even dims (low halves) shifted up, odd dims (high halves) masked,
-         * so acc[g][2c] holds dims 32c, 32c+2, ... and acc[g][2c+1] dims 32c+1, 32c+3, ... */
-        __m512 vv[16];
-        for (int c = 0; c < NP; ++c) {
-            const __m512i x = _mm512_loadu_si512((const void*)(vp + 32 * c));
-            vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-            vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
-        }
-        for (int g = 0; g < G; ++g) {
-            const __m512 pw = _mm512_set1_ps(s[(int64_t)g * ctx + (t - start)]);
-            for (int j = 0; j < ND; ++j) acc[g][j] = _mm512_fmadd_ps(pw, vv[j], acc[g][j]);
-        }
-    }
     const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0); /* even/odd -> dims */
     const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    for (int g = 0; g < G; ++g) {
-        uint16_t* op = out + (row * H + (int64_t)kh * G + g) * D;
-        const __m512 is = _mm512_set1_ps(inv_sum[g]);
+    for (int gh = 0; gh < GH; ++gh) {
+        uint16_t* op = out + (row * H + (int64_t)h0 * G + gh) * D;
+        const float* ag = acc + (int64_t)gh * D;
+        const __m512 is = _mm512_set1_ps(inv_sum[gh]);
         for (int c = 0; c < NP; ++c) {
-            const __m512 e = _mm512_mul_ps(acc[g][2 * c], is), o = _mm512_mul_ps(acc[g][2 * c + 1], is);
+            const __m512 e = _mm512_mul_ps(_mm512_load_ps(ag + 32 * c), is);
+            const __m512 o = _mm512_mul_ps(_mm512_load_ps(ag + 32 * c + 16), is);
             _mm256_storeu_si256((__m256i*)(op + 32 * c), store16_bf16_bits(_mm512_permutex2var_ps(e, lo, o)));
             _mm256_storeu_si256((__m256i*)(op + 32 * c + 16), store16_bf16_bits(_mm512_permutex2var_ps(e, hi, o)));
         }
     }
 }
 
-/* Runs KV heads [h0, h1) of one request through dp_task when (G, head_dim) has an instantiation; returns 0 (did
- * nothing) otherwise. */
+/* Runs KV heads [h0, h1) of one request through dp_req when head_dim is 64, 128 or 256; returns 0 (did nothing)
+ * otherwise. */
 static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt,
                        int L, int start, int64_t row, uint16_t* out, int H, int KVH, int h0, int h1, int G, int BS,
-                       float scale, int64_t q_stride, int ND, float* s) {
-    /* the AMX score pass needs whole 16-token tiles inside one block, and at most 4 Q^T tiles */
-    const int amx = g_use_amx && BS % 16 == 0 && start % 16 == 0 && ND <= 8;
-#define DP_CASE(G_, ND_)                                                                                      \
-    case (G_) * 16 + (ND_):                                                                                   \
-        for (int kh = h0; kh < h1; ++kh)                                                                      \
-            dp_task(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, kh, BS, scale, q_stride, G_, ND_, s, amx); \
-        return 1;
-    if (ND == 16) { /* head_dim 256 (Gemma 3): one query head at a time (16 accumulators in registers), whatever G
-                     * is or how the heads were split into tasks, so a head's arithmetic never depends on either */
-        for (int kh = h0; kh < h1; ++kh)
-            for (int g = 0; g < G; ++g) {
-                const int64_t shift = (int64_t)(kh * (G - 1) + g) * 256; /* head kh * G + g as head kh of G = 1 */
-                dp_task(q + shift, k_cache, v_cache, bt, L, start, row, out + shift, H, KVH, kh, BS, scale, q_stride,
-                        1, 16, s, 0);
-            }
-        return 1;
-    }
-    switch (G * 16 + ND) {
-        DP_CASE(1, 4) DP_CASE(2, 4) DP_CASE(3, 4) DP_CASE(4, 4) DP_CASE(5, 4) DP_CASE(6, 4)
-        DP_CASE(1, 8) DP_CASE(2, 8) DP_CASE(3, 8)
-        default: return 0;
-    }
-#undef DP_CASE
+                       float scale, int64_t q_stride, int ND, float* s, float* acc, uint32_t* qbuf) {
+    if (ND != 4 && ND != 8 && ND != 16) return 0;
+    /* the AMX score pass needs whole 16-token tiles inside one block */
+    const int amx = g_use_amx && BS % 16 == 0 && start % 16 == 0;
+    dp_req(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale, q_stride, ND, s, acc, qbuf, amx);
+    return 1;
 }
 #define TRY_FAST_bf16(...) dp_dispatch(__VA_ARGS__)
 #if HAVE_AMX_SCORES /* each thread of the region configures its tiles once (bf16 only) */
@@ -573,6 +641,7 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         float* qf = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                 \
         float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                \
         float* ktile = (float*)aligned_alloc(64, sizeof(float) * (size_t)16 * D);                             \
+        uint32_t* qbuf = (uint32_t*)aligned_alloc(64, (size_t)1024 * KVH * 4); /* dp_req: 4 Q^T tiles a head */ \
         const int tiles = AMX_TILES_WANTED(T, BS);                                                            \
         if (tiles) AMX_CONFIG();                                                                              \
         _Pragma("omp for schedule(dynamic, 1)")                                                               \
@@ -591,7 +660,8 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
             }                                                                                                 \
             const int64_t row = rows ? rows[r] : r;                                                           \
             const int64_t* bt = block_tables + (int64_t)r * max_blocks;                                       \
-            if (FAST(qt, k_cache, v_cache, bt, L, start, row, ot, H, KVH, h0, h1, Gt, BS, scale, q_stride, ND, s)) \
+            if (FAST(qt, k_cache, v_cache, bt, L, start, row, ot, H, KVH, h0, h1, Gt, BS, scale, q_stride, ND, s,   \
+                     acc, qbuf))                                                                                  \
                 continue;                                                                                     \
             switch (ND) {                                                                                     \
                 case DECODE_ND_A: TASK(qt, k_cache, v_cache, bt, L, start, row, ot, H, KVH, h0, h1, Gt, BS,   \
@@ -602,7 +672,7 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
                               q_stride, ND, s, qf, acc, ktile);                                               \
             }                                                                                                 \
         }                                                                                                     \
-        free(s); free(qf); free(acc); free(ktile);                                                            \
+        free(s); free(qf); free(acc); free(ktile); free(qbuf);                                                \
         if (tiles) AMX_RELEASE();                                                                             \
     }                                                                                                         \
 }
