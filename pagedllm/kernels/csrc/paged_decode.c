@@ -211,16 +211,20 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
  * in float32 (vdpbf16ps, or AMX tiles where the process holds them), no widening of K; P stays float32 (unlike
  * flash-attention kernels that round it to bf16).
  *
- * Memory: a token's K (and V) rows of all KV heads are adjacent in the cache, so the kernel walks a request's
- * context 16 tokens at a time across all the task's heads (one run of memory per block) and prefetches the K and V
- * rows REQ_PREFETCH_TOKENS ahead into L2 during the score pass; the P.V pass then reads V from L2. Each KV block is
- * a jump the hardware prefetcher can't follow. Measured (Xeon, AMX, 2 threads, random block tables, one layer's
- * call, medians of interleaved runs): 32 requests x 160 tokens, Qwen2.5-0.5B's heads (14 on 2, head_dim 64)
- * 222 -> 137 us and Qwen2.5-1.5B's (12 on 2, head_dim 128) 8 x 1,000 tokens 736 -> 550 us against the previous
- * per-head passes with K widened to float32 (their G had no unrolled case); SmolLM2's (9 on 3) the same as the
- * per-head unrolled kernel it replaces (~180 us: latency of the block jumps, not arithmetic, bounds it); 16, 48 and
- * 64 tokens ahead measured the same as 32, and L1 (T0) prefetches of K slower. */
-#define REQ_PREFETCH_TOKENS 32
+ * Memory: a token's K (and V) rows of all KV heads are adjacent in the cache, so the score pass walks a request's
+ * context 16 tokens at a time across all the task's heads (one run of memory per block). Each KV block is a jump the
+ * hardware prefetcher can't follow, so rows are prefetched in software: the next tile's K rows into L1 during the
+ * score pass, and each head's V row V_PREFETCH_TOKENS ahead into L2 token by token during P.V. Prefetches issued in
+ * bursts stall the core once the line fill buffers are full, and then nothing overlaps the memory wait; one V row a
+ * token, among the FMAs, keeps both going. Measured (Xeon, AMX, 2 threads, random block tables, one layer's call,
+ * medians of interleaved runs), against the per-head passes this replaces: SmolLM2's heads (9 on 3, head_dim 64) x 32
+ * requests x 160 tokens ~190 -> ~165 us; Qwen2.5-0.5B's (14 on 2, 64; the float32-widening task before) 230 -> 128
+ * us; Qwen2.5-1.5B's (12 on 2, 128) x 8 x 1,000 tokens 745 -> 480 us; Gemma 3's (4 on 1, 256) unchanged. Distances
+ * of 16, 32 and 64 tokens measured within noise of each other; V prefetched in the score pass, in one burst per tile,
+ * 7-16% slower.
+ * At level avx512_bf16 on the same Xeon the vdpbf16ps score pass is the bound (~200, 200, 595 us). */
+#define K_PREFETCH_TOKENS 16
+#define V_PREFETCH_TOKENS 32
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* AMX score pass: see dp_req. On only when the process holds the AMX tile state (paged_decode_use_amx, set from
@@ -280,9 +284,15 @@ static inline __attribute__((always_inline)) void pv_span(
     const int D = ND * 16, NP = ND / 2;
     __m512 a[24];
     for (int i = 0; i < GC * ND; ++i) a[i] = _mm512_setzero_ps();
+    int pb = (start + V_PREFETCH_TOKENS) / BS, po = (start + V_PREFETCH_TOKENS) % BS;
     for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {
         const uint16_t* vp = v_cache + (bt[b] * BS + o) * row_elems + (int64_t)kh * D;
         if (++o == BS) { o = 0; ++b; }
+        if (t + V_PREFETCH_TOKENS < L) { /* this head's V row ahead, to L2: one row a token, among the FMAs */
+            const char* pv = (const char*)(v_cache + (bt[pb] * BS + po) * row_elems + (int64_t)kh * D);
+            if (++po == BS) { po = 0; ++pb; }
+            for (int c = 0; c < D * 2; c += 64) _mm_prefetch(pv + c, _MM_HINT_T1);
+        }
         __m512 vv[16];
         for (int c = 0; c < NP; ++c) {
             const __m512i x = _mm512_loadu_si512((const void*)(vp + 32 * c));
@@ -348,7 +358,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
     }
 #endif
     int cb = start / BS, co = start % BS;
-    int pb = (start + REQ_PREFETCH_TOKENS) / BS, po = (start + REQ_PREFETCH_TOKENS) % BS;
+    int pb = (start + K_PREFETCH_TOKENS) / BS, po = (start + K_PREFETCH_TOKENS) % BS;
     for (int t0 = start; t0 < L; t0 += 16) {
         const int nt = L - t0 < 16 ? L - t0 : 16;
         const __mmask16 km = (__mmask16)((1u << nt) - 1u);
@@ -357,11 +367,10 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
             off[i] = (bt[cb] * BS + co) * row_elems;
             if (++co == BS) { co = 0; ++cb; }
         }
-        for (int i = 0; i < 16 && t0 + REQ_PREFETCH_TOKENS + i < L; ++i) { /* K and V rows ahead, to L2 */
+        for (int i = 0; i < 16 && t0 + K_PREFETCH_TOKENS + i < L; ++i) { /* the next tile's K rows, to L1 */
             const int64_t o = (bt[pb] * BS + po) * row_elems + (int64_t)h0 * D;
             if (++po == BS) { po = 0; ++pb; }
-            for (int c = 0; c < NH * D * 2; c += 64) _mm_prefetch((const char*)(k_cache + o) + c, _MM_HINT_T1);
-            for (int c = 0; c < NH * D * 2; c += 64) _mm_prefetch((const char*)(v_cache + o) + c, _MM_HINT_T1);
+            for (int c = 0; c < NH * D * 2; c += 64) _mm_prefetch((const char*)(k_cache + o) + c, _MM_HINT_T0);
         }
 #if HAVE_AMX_SCORES
         if (amx) { /* rows past L (same block) are read but masked out by km */
