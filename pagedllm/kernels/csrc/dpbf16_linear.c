@@ -61,7 +61,11 @@
 #define UNIT_ROWS 96                    /* rows of one work unit: 96 x K bf16 stays in L2 with a weight block */
 #define UNIT_WEIGHT_BYTES (256 * 1024)  /* weights of one work unit (at most) when M > UNIT_ROWS, bytes */
 #define KC 128                          /* K pairs of one pass over the rows: 16 KB of a block's weights */
-#define PF_PAIRS 64                     /* weights prefetched this many K pairs ahead (8 KB of a 64-column block) */
+/* Weights prefetched this many K pairs ahead (8 KB of a 64-column block), into L2 (T1): an L1 prefetch holds a line
+ * fill buffer until the line arrives, and ~16 per core cap the stream (as in amx_linear.c). SmolLM2's 120 linears of
+ * a step at level avx512_bf16 on the Xeon (interleaved): T0 -> T1 at 1 row 8.5-8.9 -> 7.4-7.8 ms, 8 rows 14.0-14.2
+ * -> 11.6-11.8, 16 rows 21.5 -> 18.5-18.9; 32-64 rows (VDPBF16PS-bound) within noise. Not measured on a Zen 4. */
+#define PF_PAIRS 64
 
 static int fma_min_rows = 0; /* AVX-512: rows from which the FMA path runs (dpbf16_tune), 0: never */
 
@@ -123,7 +127,7 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
         for (int64_t p = p0; p < p1; p++) {
             if (pf)
                 for (int v = 0; v < nv; v++)
-                    _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T1);
             /* two vectors at a time (4 weight registers + 24 accumulators + 2 broadcasts); the opaque row pointer
              * keeps the compiler from holding all 12 broadcasts across them (register moves, measured slower) */
             for (int v = 0; v < nv; v += 2) {
@@ -151,7 +155,7 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
         for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
         if (pf) /* the first pass over these weights: fetch ahead (past the block's end: the next block's) */
             for (int v = 0; v < nv; v++)
-                _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T1);
         for (int r = 0; r < mr; r++) {
             int32_t xp;
             memcpy(&xp, x + r * K + 2 * p, 4);
