@@ -1,5 +1,5 @@
-/* Shared by pagedllm's AMX kernels (amx_linear.c and attention/csrc/amx_attention.c, compiled into one library, and
- * the AMX score pass of attention/csrc/paged_decode.c).
+/* Shared by pagedllm's AMX kernels (amx_linear.c and amx_attention.c, compiled into one library, and the AMX score
+ * pass of paged_decode.c; all in pagedllm/kernels/csrc).
  * Instruction and tile-configuration semantics: Intel Architecture Instruction Set Extensions Programming Reference,
  * ch. 3 (LDTILECFG, TILELOADD, TDPBF16PS); the permission request: Linux arch/x86/include/uapi/asm/prctl.h. */
 #ifndef PAGEDLLM_AMX_H
@@ -46,8 +46,8 @@ static inline void config_tiles_16x64(void) {
     amx_load_tilecfg(&cfg);
 }
 
-/* The attention kernels' score tiles (tile numbers must be compile-time constants): 0 = scores (accumulator), 4 = K
- * rows, 2/3/5/6 = Q^T (VNNI) for dims 0-31/32-63/64-95/96-127. amx_qk_half adds K rows [dims 32c, 32c + 32) x Q^T
+/* The prefill attention kernel's score tiles (tile numbers must be compile-time constants; paged_decode.c numbers its
+ * own): 0 = scores (accumulator), 4 = K rows, 2/3/5/6 = Q^T (VNNI) for dims 0-31/32-63/64-95/96-127. amx_qk_half adds K rows [dims 32c, 32c + 32) x Q^T
  * tile c into tile 0; amx_load_qt loads Q^T tile c. */
 static inline void amx_qk_half(int c, const uint16_t* kp, int64_t stride) {
     _tile_loadd(4, kp + 32 * c, stride);
