@@ -213,16 +213,18 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
  *
  * Memory: a token's K (and V) rows of all KV heads are adjacent in the cache, so the score pass walks a request's
  * context 16 tokens at a time across all the task's heads (one run of memory per block). Each KV block is a jump the
- * hardware prefetcher can't follow, so rows are prefetched in software: the next tile's K rows into L1 during the
- * score pass, and each head's V row V_PREFETCH_TOKENS ahead into L2 token by token during P.V. Prefetches issued in
- * bursts stall the core once the line fill buffers are full, and then nothing overlaps the memory wait; one V row a
- * token, among the FMAs, keeps both going. Measured (Xeon, AMX, 2 threads, random block tables, one layer's call,
- * medians of interleaved runs), against the per-head passes this replaces: SmolLM2's heads (9 on 3, head_dim 64) x 32
- * requests x 160 tokens ~190 -> ~165 us; Qwen2.5-0.5B's (14 on 2, 64; the float32-widening task before) 230 -> 128
- * us; Qwen2.5-1.5B's (12 on 2, 128) x 8 x 1,000 tokens 745 -> 480 us; Gemma 3's (4 on 1, 256) unchanged. Distances
- * of 16, 32 and 64 tokens measured within noise of each other; V prefetched in the score pass, in one burst per tile,
- * 7-16% slower.
- * At level avx512_bf16 on the same Xeon the vdpbf16ps score pass is the bound (~200, 200, 595 us). */
+ * hardware prefetcher can't follow, so rows are prefetched in software: the next tile's K rows into L1, a few lines
+ * after each piece of the score pass (one Q^T tile product, or one query head's 16 dots), and each head's V row
+ * V_PREFETCH_TOKENS ahead into L2 token by token during P.V. Prefetches issued in bursts stall the core once the line
+ * fill buffers are full, and then nothing overlaps the memory wait; spread among the arithmetic they keep both going.
+ * Measured (Xeon, AMX, 2 threads, random block tables, one layer's call, medians of interleaved runs), against the
+ * per-head passes this replaces: SmolLM2's heads (9 on 3, head_dim 64) x 32 requests x 160 tokens ~190 -> ~175 us;
+ * Qwen2.5-0.5B's (14 on 2, 64; the float32-widening task before) 230 -> 132 us; Qwen2.5-1.5B's (12 on 2, 128) x 8 x
+ * 1,000 tokens 745 -> 475 us; Gemma 3's (4 on 1, 256) unchanged. At level avx512_bf16 (vdpbf16ps scores) the same
+ * shapes: ~205 -> ~180, 225 -> 185, 750 -> 550 us. Distances of 16, 32 and 64 tokens measured within noise of each
+ * other; V prefetched in the score pass in one burst per tile 7-16% slower, K in one burst per tile 0-10% (AMX) and
+ * 13-17% (vdpbf16ps) slower.
+ */
 #define K_PREFETCH_TOKENS 16
 #define V_PREFETCH_TOKENS 32
 
@@ -367,10 +369,18 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
             off[i] = (bt[cb] * BS + co) * row_elems;
             if (++co == BS) { co = 0; ++cb; }
         }
-        for (int i = 0; i < 16 && t0 + K_PREFETCH_TOKENS + i < L; ++i) { /* the next tile's K rows, to L1 */
-            const int64_t o = (bt[pb] * BS + po) * row_elems + (int64_t)h0 * D;
+        /* the next tile's K rows, to L1, a few lines after each piece of this tile's score work (PF_LINES) */
+        const char* pfrow[16];
+        int npf = 0, pfi = 0, pfc = 0;
+        for (int i = 0; i < 16 && t0 + K_PREFETCH_TOKENS + i < L; ++i) {
+            pfrow[npf++] = (const char*)(k_cache + (bt[pb] * BS + po) * row_elems + (int64_t)h0 * D);
             if (++po == BS) { po = 0; ++pb; }
-            for (int c = 0; c < NH * D * 2; c += 64) _mm_prefetch((const char*)(k_cache + o) + c, _MM_HINT_T0);
+        }
+        const int lpr = NH * D * 2 / 64; /* lines a row */
+#define PF_LINES(k_)                                                                                            \
+        for (int k = 0; k < (k_) && pfi < npf; ++k) {                                                           \
+            _mm_prefetch(pfrow[pfi] + 64 * pfc, _MM_HINT_T0);                                                   \
+            if (++pfc == lpr) { pfc = 0; ++pfi; }                                                               \
         }
 #if HAVE_AMX_SCORES
         if (amx) { /* rows past L (same block) are read but masked out by km */
@@ -382,8 +392,10 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
                             qt_load((kh - ch0) * NP + c, qbuf + (int64_t)((kh - h0) * NP + c) * 256);
                 _tile_zero(0);
                 for (int kh = ch0; kh < ch1; ++kh)
-                    for (int c = 0; c < NP; ++c)
+                    for (int c = 0; c < NP; ++c) {
                         qk_tile((kh - ch0) * NP + c, k_cache + off[0] + (int64_t)kh * D + 32 * c, row_elems * 2);
+                        PF_LINES((npf * lpr + NH * NP - 1) / (NH * NP))
+                    }
                 _tile_stored(0, cbuf, 64);
                 __m512i r[16];
                 for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512((const void*)(cbuf + 16 * i));
@@ -401,6 +413,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         for (int kh = h0; kh < h1; ++kh)
             for (int g = 0; g < G; ++g) {
                 const int gh = (kh - h0) * G + g;
+                PF_LINES((npf * lpr + GH - 1) / GH)
                 const uint16_t* qp = q + row * q_stride + ((int64_t)kh * G + g) * D;
                 __m512bh qv[8];
                 for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512((const void*)(qp + 32 * c));
@@ -418,6 +431,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
                 mxv[gh] = _mm512_mask_max_ps(mxv[gh], km, mxv[gh], sv);
             }
     }
+#undef PF_LINES
     float inv_sum[64];
     for (int gh = 0; gh < GH; ++gh) {
         float* sg = s + (int64_t)gh * ctx;
