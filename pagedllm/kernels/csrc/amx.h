@@ -96,17 +96,23 @@ static inline void transpose16x16_epi32(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+/* amx_build_qt's transpose, without the load: Q^T tile c into buf, column n from cols[n] for n < ncols, zero for
+ * n >= ncols or cols[n] == NULL (paged_decode.c: each KV head's tile holds only its own query heads' columns). */
+static inline void amx_qt_transpose(int c, const uint16_t* const cols[16], int ncols, uint32_t* buf) {
+    __m512i r[16];
+    for (int n = 0; n < 16; n++)
+        r[n] = n < ncols && cols[n] ? _mm512_loadu_si512((const void*)(cols[n] + 32 * c)) : _mm512_setzero_si512();
+    transpose16x16_epi32(r);
+    for (int n = 0; n < 16; n++) _mm512_store_si512((void*)(buf + 16 * n), r[n]);
+}
+
 /* Builds Q^T tile c in the VNNI "B" layout from up to 16 query vectors and loads it (amx_load_qt): element (r, n) is
  * dims (32 c + 2 r, 32 c + 2 r + 1) of cols[n] as one 32-bit pair, 0 for n >= ncols. buf: 1 KB scratch, 64-byte
- * aligned (the tile load copies it, so one buffer serves every c). A few columns (decode: the G query heads of a KV
- * head) are scattered into a zeroed buffer; more (prefill: 16 queries) go through an in-register transpose. */
+ * aligned (the tile load copies it, so one buffer serves every c). A few columns (a prefill chunk's short last
+ * group of queries) are scattered into a zeroed buffer; more go through the in-register transpose (amx_qt_transpose). */
 static inline void amx_build_qt(int c, const uint16_t* const cols[16], int ncols, uint32_t* buf) {
     if (ncols > 4) {
-        __m512i r[16];
-        for (int n = 0; n < 16; n++)
-            r[n] = n < ncols ? _mm512_loadu_si512((const void*)(cols[n] + 32 * c)) : _mm512_setzero_si512();
-        transpose16x16_epi32(r);
-        for (int n = 0; n < 16; n++) _mm512_store_si512((void*)(buf + 16 * n), r[n]);
+        amx_qt_transpose(c, cols, ncols, buf);
     } else {
         const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                 _mm512_set1_epi32(16)); /* element (r, n) is buf[16 r + n] */

@@ -249,15 +249,6 @@ static inline void qt_load(int p, const uint32_t* buf) {
     }
 }
 
-/* Builds in buf the Q^T tile of dims [32c, 32c + 32) for 16 query-head columns (cols[n] = NULL: a zero column). */
-static inline void qt_build(int c, const uint16_t* const cols[16], uint32_t* buf) {
-    __m512i r[16];
-    for (int n = 0; n < 16; n++)
-        r[n] = cols[n] ? _mm512_loadu_si512((const void*)(cols[n] + 32 * c)) : _mm512_setzero_si512();
-    transpose16x16_epi32(r);
-    for (int n = 0; n < 16; n++) _mm512_store_si512((void*)(buf + 16 * n), r[n]);
-}
-
 /* scores tile 0 += K rows (tile 1: 16 rows `stride` bytes apart from kp) x Q^T tile 2 + p */
 static inline void qk_tile(int p, const uint16_t* kp, int64_t stride) {
     _tile_loadd(1, kp, stride);
@@ -354,11 +345,12 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         for (int g = 0; g < G; ++g) cols[(kh - ch0) * G + g] = q + row * q_stride + ((int64_t)kh * G + g) * D;
         for (int c = 0; c < NP; ++c) {
             uint32_t* buf = qbuf + (int64_t)((kh - h0) * NP + c) * 256;
-            qt_build(c, cols, buf);
+            amx_qt_transpose(c, cols, 16, buf);
             if (nchunk == 1) qt_load((kh - ch0) * NP + c, buf);
         }
     }
 #endif
+    const int pf_pieces = amx ? NH * NP : GH; /* Q^T tile products, or query heads, of a tile's score pass */
     int cb = start / BS, co = start % BS;
     int pb = (start + K_PREFETCH_TOKENS) / BS, po = (start + K_PREFETCH_TOKENS) % BS;
     for (int t0 = start; t0 < L; t0 += 16) {
@@ -377,6 +369,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
             if (++po == BS) { po = 0; ++pb; }
         }
         const int lpr = NH * D * 2 / 64; /* lines a row */
+        const int pfq = (npf * lpr + pf_pieces - 1) / pf_pieces; /* lines after each piece of score work */
 #define PF_LINES(k_)                                                                                            \
         for (int k = 0; k < (k_) && pfi < npf; ++k) {                                                           \
             _mm_prefetch(pfrow[pfi] + 64 * pfc, _MM_HINT_T0);                                                   \
@@ -394,7 +387,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
                 for (int kh = ch0; kh < ch1; ++kh)
                     for (int c = 0; c < NP; ++c) {
                         qk_tile((kh - ch0) * NP + c, k_cache + off[0] + (int64_t)kh * D + 32 * c, row_elems * 2);
-                        PF_LINES((npf * lpr + NH * NP - 1) / (NH * NP))
+                        PF_LINES(pfq)
                     }
                 _tile_stored(0, cbuf, 64);
                 __m512i r[16];
@@ -413,7 +406,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         for (int kh = h0; kh < h1; ++kh)
             for (int g = 0; g < G; ++g) {
                 const int gh = (kh - h0) * G + g;
-                PF_LINES((npf * lpr + GH - 1) / GH)
+                PF_LINES(pfq)
                 const uint16_t* qp = q + row * q_stride + ((int64_t)kh * G + g) * D;
                 __m512bh qv[8];
                 for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512((const void*)(qp + 32 * c));
@@ -664,8 +657,9 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
         float* qf = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                 \
         float* acc = (float*)aligned_alloc(64, sizeof(float) * (size_t)H * D);                                \
         float* ktile = (float*)aligned_alloc(64, sizeof(float) * (size_t)16 * D);                             \
-        uint32_t* qbuf = (uint32_t*)aligned_alloc(64, (size_t)1024 * KVH * 4); /* dp_req: 4 Q^T tiles a head */ \
         const int tiles = AMX_TILES_WANTED(T, BS);                                                            \
+        /* dp_req's AMX score pass: up to 4 Q^T tiles a KV head */                                            \
+        uint32_t* qbuf = tiles ? (uint32_t*)aligned_alloc(64, (size_t)1024 * KVH * 4) : NULL;                 \
         if (tiles) AMX_CONFIG();                                                                              \
         _Pragma("omp for schedule(dynamic, 1)")                                                               \
         for (int task = 0; task < ntask; ++task) {                                                            \
