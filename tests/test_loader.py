@@ -425,3 +425,39 @@ def test_smollm2_greedy_decode_matches_transformers(smollm2):
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
     assert _greedy(ours, prompt, 6) == ref
+
+
+@pytest.mark.slow
+def test_loading_a_model_does_not_import_torch_dynamo():
+    """Building the model skeleton must not pull in torch._dynamo (and through it triton): ~0.9 s of start-up, and
+    triton's nanobind printed "leaked" warnings at every server exit. ``torch.nn.utils.skip_init(nn.Embedding)`` did
+    (its meta-device ``normal_`` goes through ``torch._refs``); checked in a fresh interpreter for the bundled model
+    and for Gemma 3 and DeepSeek skeletons, which build their embeddings the same way."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, transformers\n"
+        "from pagedllm.entrypoints.llm import LLM\n"
+        "from pagedllm.sampling_params import SamplingParams\n"
+        "from pagedllm.models.utils import skip_init_embedding\n"
+        "e = skip_init_embedding(1000, 64, torch.bfloat16)\n"
+        "assert e.weight.shape == (1000, 64) and e.weight.dtype == torch.bfloat16\n"
+        "llm = LLM(None, dtype='bfloat16', max_model_len=256)\n"
+        "out = llm.generate(['Hello'], SamplingParams(max_tokens=2, temperature=0))\n"
+        "assert len(out[0].outputs[0].token_ids) == 2\n"
+        "from pagedllm.models.gemma3 import Gemma3ForCausalLM\n"
+        "from pagedllm.models.deepseek import DeepseekV2ForCausalLM\n"
+        "g = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128,"
+        " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32)\n"
+        "Gemma3ForCausalLM(g, torch.bfloat16)\n"
+        "d = transformers.DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128,"
+        " moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,"
+        " n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,"
+        " qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1)\n"
+        "DeepseekV2ForCausalLM(d, torch.bfloat16)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'triton')))[:5])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout

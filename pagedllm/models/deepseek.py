@@ -44,7 +44,7 @@ from pagedllm.attention.torch_attn import AttentionMetadata
 from pagedllm.kv_cache_spec import MLASpec
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagedllm.models.utils import WeightTarget, load_named_weights, skip_init_linear
+from pagedllm.models.utils import WeightTarget, load_named_weights, skip_init_embedding, skip_init_linear
 
 # HF's DeepseekV2/V3RMSNorm default, used for the latent norms (q_a_layernorm, kv_a_layernorm).
 LATENT_NORM_EPS = 1e-6
@@ -283,8 +283,7 @@ class DeepseekForCausalLM(nn.Module):
         rope = rope_parameters(cfg)
         interleaved = True if self.version == 2 else bool(getattr(cfg, "rope_interleave", True))
         self.model = nn.Module()
-        self.model.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
-                                                           dtype=dtype)
+        self.model.embed_tokens = skip_init_embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.model.rotary_emb = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, rope,
                                                 max_positions=max_model_len, dtype=dtype)
         self.model.layers = nn.ModuleList(

@@ -32,7 +32,7 @@ from pagedllm.kv_cache_spec import AttentionSpec
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from pagedllm.models.utils import load_named_weights, skip_init_linear, stacked_params_resolver
+from pagedllm.models.utils import load_named_weights, skip_init_embedding, skip_init_linear, stacked_params_resolver
 
 STACKED_PARAMS_MAPPING: tuple[tuple[str, str, int], ...] = (
     ("qkv_proj", "q_proj", 0),
@@ -152,7 +152,7 @@ class Gemma3Model(nn.Module):
             raise ValueError("use_bidirectional_attention is not supported (causal LMs only)")
         hidden = cfg.hidden_size
         self.layer_types = gemma3_layer_types(cfg)
-        self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, hidden, dtype=dtype)
+        self.embed_tokens = skip_init_embedding(cfg.vocab_size, hidden, dtype)
         # HF multiplies by sqrt(hidden) rounded to the model dtype.
         self.register_buffer("embed_scale", torch.tensor(hidden**0.5, dtype=dtype), persistent=False)
         self.rotary = nn.ModuleDict({

@@ -32,6 +32,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.quantization import finish_quantized_loading, load_quantized, quantize_model
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from pagedllm.models.fused_stack import FusedStack, built_stack
+from pagedllm.models.utils import skip_init_embedding, skip_init_linear
 
 # (fused parameter, checkpoint shard name, shard index): "…self_attn.k_proj.weight" fills rows
 # [q_size, q_size + kv_size) of "…self_attn.qkv_proj.weight"; biases the same way.
@@ -45,11 +46,6 @@ STACKED_PARAMS_MAPPING: tuple[tuple[str, str, int], ...] = (
 
 # Checkpoint entries that are not parameters here (old HF checkpoints saved the rotary buffer).
 IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
-
-
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    # Parameters are overwritten by load_weights: skip the random init (seconds for a large model).
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -82,9 +78,9 @@ class LlamaAttention(nn.Module):
         if tensor_parallel:
             self.qkv_proj, self.o_proj = qkv, o_proj
         else:
-            self.qkv_proj = _linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+            self.qkv_proj = skip_init_linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
             self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
-            self.o_proj = _linear(self.q_size, hidden_size, o_bias, dtype)
+            self.o_proj = skip_init_linear(self.q_size, hidden_size, o_bias, dtype)
         self.attn = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=sliding_window)
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:  # Qwen3: RMSNorm over head_dim of each q / k head
@@ -128,10 +124,10 @@ class LlamaMLP(nn.Module):
                                                            dtype)
             self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
             return
-        self.gate_up_proj = _linear(hidden_size, 2 * intermediate_size, bias, dtype)
+        self.gate_up_proj = skip_init_linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.gate_up_proj.output_sizes = (intermediate_size, intermediate_size)
         self.gate_up_proj.silu_gated = True  # weight packing may fuse silu(gate) * up into the matmul
-        self.down_proj = _linear(intermediate_size, hidden_size, bias, dtype)
+        self.down_proj = skip_init_linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = getattr(self.gate_up_proj, "forward_silu_mul", None)  # a packed layer (layers/packed_linear.py)
@@ -216,7 +212,7 @@ class LlamaModel(nn.Module):
 
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden, dtype)
         elif is_first or (is_last and tied):
-            self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, hidden, dtype=dtype)
+            self.embed_tokens = skip_init_embedding(cfg.vocab_size, hidden, dtype)
         else:
             self.embed_tokens = PPMissingLayer()
         self.rotary_emb = RotaryEmbedding(
@@ -299,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
 
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         else:
-            self.lm_head = _linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+            self.lm_head = skip_init_linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         # Checkpoint names of modules another pipeline stage holds (skipped by load_weights).
         self._other_stage_prefixes: tuple[str, ...] = tuple(
             f"{name}." for name, mod in self.named_modules() if isinstance(mod, PPMissingLayer))

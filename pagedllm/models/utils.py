@@ -1,4 +1,4 @@
-"""Pieces shared by the model modules: skip-init linears and checkpoint loading with fused / stacked parameters.
+"""Pieces shared by the model modules: skip-init linears and embeddings, and checkpoint loading with fused / stacked parameters.
 
 Checkpoint tensors (Hugging Face names) land in parameters that may be
 
@@ -24,6 +24,15 @@ from torch import nn
 def skip_init_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     """An ``nn.Linear`` without the random init (load_weights overwrites it; seconds saved for a large model)."""
     return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+
+
+def skip_init_embedding(num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Embedding:
+    """An ``nn.Embedding [num_embeddings, embedding_dim]`` over uninitialized memory (load_weights overwrites it).
+
+    Not ``torch.nn.utils.skip_init``: its meta-device ``normal_`` goes through ``torch._refs``, whose wrapper imports
+    ``torch._dynamo`` and with it triton (~0.9 s of start-up, measured; and triton's nanobind prints "leaked"
+    warnings when the process exits)."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim, dtype=dtype))
 
 
 @dataclass(frozen=True)
