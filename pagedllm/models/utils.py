@@ -1,4 +1,5 @@
-"""Pieces shared by the model modules: skip-init linears and embeddings, and checkpoint loading with fused / stacked parameters.
+"""Pieces shared by the model modules: skip-init linears and embeddings, and checkpoint loading with fused /
+stacked parameters.
 
 Checkpoint tensors (Hugging Face names) land in parameters that may be
 

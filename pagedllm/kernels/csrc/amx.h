@@ -47,8 +47,8 @@ static inline void config_tiles_16x64(void) {
 }
 
 /* The prefill attention kernel's score tiles (tile numbers must be compile-time constants; paged_decode.c numbers its
- * own): 0 = scores (accumulator), 4 = K rows, 2/3/5/6 = Q^T (VNNI) for dims 0-31/32-63/64-95/96-127. amx_qk_half adds K rows [dims 32c, 32c + 32) x Q^T
- * tile c into tile 0; amx_load_qt loads Q^T tile c. */
+ * own): 0 = scores (accumulator), 4 = K rows, 2/3/5/6 = Q^T (VNNI) for dims 0-31/32-63/64-95/96-127. amx_qk_half
+ * adds K rows [dims 32c, 32c + 32) x Q^T tile c into tile 0; amx_load_qt loads Q^T tile c. */
 static inline void amx_qk_half(int c, const uint16_t* kp, int64_t stride) {
     _tile_loadd(4, kp + 32 * c, stride);
     switch (c) {
@@ -109,7 +109,8 @@ static inline void amx_qt_transpose(int c, const uint16_t* const cols[16], int n
 /* Builds Q^T tile c in the VNNI "B" layout from up to 16 query vectors and loads it (amx_load_qt): element (r, n) is
  * dims (32 c + 2 r, 32 c + 2 r + 1) of cols[n] as one 32-bit pair, 0 for n >= ncols. buf: 1 KB scratch, 64-byte
  * aligned (the tile load copies it, so one buffer serves every c). A few columns (a prefill chunk's short last
- * group of queries) are scattered into a zeroed buffer; more go through the in-register transpose (amx_qt_transpose). */
+ * group of queries) are scattered into a zeroed buffer; more go through the in-register transpose
+ * (amx_qt_transpose). */
 static inline void amx_build_qt(int c, const uint16_t* const cols[16], int ncols, uint32_t* buf) {
     if (ncols > 4) {
         amx_qt_transpose(c, cols, ncols, buf);
