@@ -446,9 +446,9 @@ def test_prefill_tiles_in_bf16_equal_dequantized_bf16_matmul(qtype):
     float64 product of x and those bf16 weights within float32 accumulation and one bf16 rounding."""
     from pagedllm.layers.quantization import kquant
 
-    found = kquant.prefill_backend()
+    found = kquant.packed_bf16_backend()  # AMX's layout at amx (prefill rows' path), dpbf16's at avx512_bf16
     if found is None:
-        pytest.skip("no packed bf16 GEMM at this level (prefill rows take the integer kernel)")
+        pytest.skip("no packed bf16 GEMM at this level")
     k = 512
     raws = [_blocks(qtype, 96, k, seed=7), _blocks(T.Q6_K, 64, k, seed=8)]
     ws = [KQuantWeight(qtype, k, torch.from_numpy(raws[0])), KQuantWeight(T.Q6_K, k, torch.from_numpy(raws[1]))]
@@ -500,8 +500,8 @@ def test_step_rows_give_each_row_its_kernel():
 @pytest.mark.parametrize("level", ["amx", "avx512_bf16", "avx2"])
 def test_real_kquant_model_greedy_alone_equals_among_concurrent_others(level):
     """Gemma-3-270M Q4_K_M (Q4_K / Q5_0 / Q6_K / Q8_0 layers, a Q8_0 tied head) in bf16: one prompt's greedy tokens
-    alone and batched with 8 others (one prefill step of all nine through the bf16 tile path, then batch-9 decode on
-    the integer kernel) are identical, at each level this CPU runs (batch invariance end to end)."""
+    alone and batched with 8 others (one prefill step of all nine, through the AMX bf16 tile path at amx and the
+    integer kernel on 8-bit activations below it, then batch-9 decode on the integer kernel) are identical, at each level this CPU runs (batch invariance end to end)."""
     from pagedllm import LLM
     from pagedllm.kernels.config import supported_levels
 
