@@ -378,6 +378,28 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     again = md.read_text()
     assert again.count("<!-- section: ") == 2 and "on again" in again and "on later" not in again
     assert again.split("<!-- end section: ")[0] == both.split("<!-- end section: ")[0]
+    # a run capped below the CPU's level (PAGEDLLM_CPU_ISA) stands in for that level: labelled, its own section
+    capped = {"cpu": "xeon", "isa_level": "avx512_bf16", "isa_level_cpu_best": "amx"}
+    C.write_results_md(str(md), NS, runs[:1], {}, capped, {}, "capped", 1.0, str(tmp_path))
+    three = md.read_text()
+    assert three.count("<!-- section: ") == 3 and "on again" in three
+    assert "ISA level avx512_bf16 (capped; the CPU's best: amx)" in three
+
+
+def test_machine_info_names_the_level_the_runs_use(monkeypatch):
+    """``machine_info`` reports the level in effect (``PAGEDLLM_CPU_ISA`` below the CPU's: both named)."""
+    from pagedllm.benchmarks import peers as P
+    from pagedllm.kernels.config import detect_level, supported_levels
+
+    monkeypatch.delenv("PAGEDLLM_CPU_ISA", raising=False)
+    info = P.machine_info()
+    assert info["isa_level"] == detect_level() and "isa_level_cpu_best" not in info
+    if len(supported_levels()) < 2:
+        return
+    low = supported_levels()[1]
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", low)
+    info = P.machine_info()
+    assert info["isa_level"] == low and info["isa_level_cpu_best"] == detect_level()
 
 
 def _fake_servers_and_benches(monkeypatch, hf_export_dir) -> tuple[list, list]:

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagedllm import envs
 from pagedllm.benchmarks import peers as P
 
 PEER_NAMES = {"pagedllm": "pagedllm", "pagedllm-int4": "pagedllm int4", "vllm": "vLLM-CPU", "hf": "HF Transformers", "llamacpp": "llama.cpp"}
@@ -748,10 +749,18 @@ RESULTS_INTRO = ("One section per CPU and model, each written by its own `pagedl
 
 
 def section_key(info: dict, gguf: Optional[str]) -> str:
-    """``<ISA level>/<model file>``: which section of RESULTS.md a run writes."""
+    """``<ISA level>/<model file>``: which section of RESULTS.md a run writes (a capped level's is its own, so a run
+    standing in for a CPU never replaces one measured on it)."""
     from pagedllm.model_files import default_model_path
 
-    return f"{info.get('isa_level', '?')}/{os.path.basename(gguf or default_model_path())}"
+    return f"{isa_level_label(info)}/{os.path.basename(gguf or default_model_path())}"
+
+
+def isa_level_label(info: dict) -> str:
+    """The section heading's level: ``amx``, or ``avx512_bf16 (capped; the CPU's best: amx)`` for a run with
+    ``PAGEDLLM_CPU_ISA`` below the CPU's level (a stand-in for a CPU of that level, not one)."""
+    level, best = info.get("isa_level", "?"), info.get("isa_level_cpu_best")
+    return f"{level} (capped; the CPU's best: {best})" if best else level
 
 
 def merge_results_md(old: str, key: str, section: str) -> str:
@@ -796,7 +805,7 @@ def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions
             if not _gguf(ns) else f"`{model}` (pagedllm bf16 and vLLM/HF on its bf16 export; llama.cpp and "
             "\"pagedllm int4\" (`--quantization gguf`) on the file as stored)")
     lines = [
-        f"## {info.get('cpu', 'CPU ?')}, ISA level {info.get('isa_level', '?')}: {model}",
+        f"## {info.get('cpu', 'CPU ?')}, ISA level {isa_level_label(info)}: {model}",
         "",
         f"Written by `pagedllm bench compare` on {started} ({wall / 60:.1f} min). Model: {what}. "
         "All engines use the machine's 2 cores. The machine is shared, so absolute figures swing (±25% or more); "
@@ -992,6 +1001,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     sections = [s.strip() for s in ns.sections.split(",") if s.strip()]
     ns.command_line = "pagedllm bench compare " + " ".join(shlex.quote(a) for a in sys.argv[3:]) \
         if sys.argv[1:3] == ["bench", "compare"] else " ".join(sys.argv)
+    if envs.get("PAGEDLLM_CPU_ISA"):  # a capped level: part of what reproduces the run
+        ns.command_line = f"PAGEDLLM_CPU_ISA={envs.get('PAGEDLLM_CPU_ISA')} {ns.command_line}"
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     out_dir = ns.output_dir or os.path.join("benchmarks", "results", f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out_dir, exist_ok=True)

@@ -271,9 +271,13 @@ def machine_info() -> dict:
                     break
         flags = cpu_flags()
         info["isa"] = " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if x in flags)
-        from pagedllm.kernels.config import detect_level
+        from pagedllm.kernels.config import KernelConfig, detect_level
 
-        info["isa_level"] = detect_level()
+        # the level our runs used (PAGEDLLM_CPU_ISA caps it: its section of RESULTS.md is that level's), and the
+        # CPU's own when they differ
+        info["isa_level"] = KernelConfig.from_env().level
+        if info["isa_level"] != detect_level():
+            info["isa_level_cpu_best"] = detect_level()
     except OSError:
         pass
     info["cores"] = os.cpu_count()
