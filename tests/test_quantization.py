@@ -192,7 +192,7 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 def test_int4_gemv_rows_equal_each_row_alone(group):
-    """The integer-dot kernel (and the prefill rows' tile kernel) gives each row the bits it gets alone, at every row count (AVX2: one row per pass,
+    """The integer-dot kernel (15-bit and 8-bit activations) and the C tile kernel give each row the bits it gets alone, at every row count (AVX2: one row per pass,
     or 2+ rows sharing each group's widened codes, 16 rows at a time; VNNI: rows in pairs), in both output dtypes,
     on rows from 2^-40 to 2^40 (the quantization is per row and group; a row mixed up with another, a group's
     scale applied to the wrong row or a stale buffer would change bits)."""
@@ -218,14 +218,20 @@ def test_int4_gemv_rows_equal_each_row_alone(group):
                 alone = cpu_kernels.int4_gemv_bf16(x[r].contiguous(), *args, dtype)
                 assert torch.equal(together[r], alone), (dtype, r)
     assert (together[9] == 0).all() and together.isfinite().all()
-    together = cpu_kernels.int4_gemm(x, *args)  # the prefill rows' tile kernel: row pairs and a last single row
+    together = cpu_kernels.int4_gemv_bf16(x, *args, torch.bfloat16, 8)  # prefill rows below AMX: 8-bit activations
+    for r in range(m):
+        assert torch.equal(together[r], cpu_kernels.int4_gemv_bf16(x[r:r + 1].contiguous(), *args, torch.bfloat16,
+                                                                    8)[0]), r
+    assert (together[9] == 0).all() and together.isfinite().all()
+    together = cpu_kernels.int4_gemm(x, *args)  # the C tile kernel (batch invariance off, no integer-dot kernel)
     for r in range(m):
         assert torch.equal(together[r], cpu_kernels.int4_gemm(x[r:r + 1].contiguous(), *args)[0]), r
 
 
 def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
-    """Batch invariant: in a step marked by ``step_rows``, decode rows run on the integer-dot kernel and prefill rows
-    on the C tile kernel, so each row's bits are those it gets alone (a 1-token decode step, or its prompt alone)."""
+    """Batch invariant: in a step marked by ``step_rows``, decode rows run on the integer-dot kernel (15-bit
+    activations) and prefill rows on AMX tiles or, below AMX, ``KernelConfig.int4_prefill_kernel``, so each
+    row's bits are those it gets alone (a 1-token decode step, or its prompt alone)."""
     from pagedllm.layers.quantization import cpu_kernels
     from pagedllm.layers.quantization import kernels as K
 
@@ -245,6 +251,17 @@ def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
         assert torch.equal(y[s0:s0 + q], alone), (s0, q)
     with K.step_rows([1] * 11):
         assert torch.equal(mm(x)[0], y[0])  # a decode row among 10 others
+    if K.int4_prefill_backend(256) is None:  # below AMX: a prefill row is int4_prefill_kernel's
+        for kind in ("float", "int16", "int8"):
+            with kernels.use(dataclasses.replace(kernels.config(), int4_prefill=kind)):
+                with K.step_rows(query_lens):
+                    y = mm(x)
+            args = (x[1:6].contiguous(), pk["packed"], pk["scales_and_zeros"], 32, 200)
+            want = cpu_kernels.int4_gemm(*args) if kind == "float" else cpu_kernels.int4_gemv_bf16(
+                *args, torch.bfloat16, 8 if kind == "int8" else 16)
+            assert torch.equal(y[1:6], want), kind
+        assert torch.equal(y[0], cpu_kernels.int4_gemv_bf16(x[0:1], pk["packed"], pk["scales_and_zeros"], 32,
+                                                            200)[0])
 
 
 @pytest.mark.parametrize("layout", [0, 1])
@@ -287,7 +304,7 @@ def test_int4_prefill_bf16_is_the_expanded_weight_through_the_packed_gemm(layout
 def test_int4_avx2_library_gives_the_vnni_kernels_bits():
     """The library built for level avx2 (x86-64-v3: no AVX-512) has the integer-dot kernels too (vpmaddwd over the
     codes widened to 16 bits, the activations' 15-bit / 22-bit integers whole or in two int16 parts): int4 GEMV
-    (bf16 and float32 out) and int8 logits within the float64 bounds of the activation rounding, on a row spanning
+    (bf16 and float32 out; 8-bit activations for prefill rows) and int8 logits within the float64 bounds of the activation rounding, on a row spanning
     six orders of magnitude; its C tile gemm and scalar int8 logits too. Where the CPU also runs avx512_bf16, every
     one of them equals the AVX-512 build's bits (same integers, same float operations in the same order)."""
     if "avx2" not in kernels.supported_levels():
@@ -308,7 +325,8 @@ def test_int4_avx2_library_gives_the_vnni_kernels_bits():
 
     def run(lib):
         outs = {}
-        for name, dtype in (("int4_gemv_bf16", torch.bfloat16), ("int4_gemv_bf16_f32", torch.float32)):
+        for name, dtype in (("int4_gemv_bf16", torch.bfloat16), ("int4_gemv_bf16_f32", torch.float32),
+                            ("int4_gemv_bf16_a8", torch.bfloat16)):
             o = torch.empty(m, n, dtype=dtype)
             getattr(lib, name)(x.data_ptr(), m, k, packed.data_ptr(), sz.data_ptr(), g, packed.shape[0], n,
                                o.data_ptr())
@@ -328,6 +346,7 @@ def test_int4_avx2_library_gives_the_vnni_kernels_bits():
     slack = 2.0**-15 * amax @ w.abs().t() + 1e-30
     assert ((got["int4_gemv_bf16_f32"].double() - ref).abs() <= 2.0**-20 * ref.abs() + slack).all()
     assert ((got["int4_gemv_bf16"].double() - ref).abs() <= 2.0**-8 * ref.abs() + slack).all()
+    assert ((got["int4_gemv_bf16_a8"].double() - ref).abs() <= 2.0**-8 * ref.abs() + 2**15 / 254 * slack).all()
     torch.testing.assert_close(got["int4_gemm"].double(), ref, atol=2e-2, rtol=1e-2)
     ref8 = (x.double() @ q8.q.double().t()) * q8.scale.double()
     row_amax = x.double().abs().amax(1, keepdim=True)

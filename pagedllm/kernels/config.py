@@ -92,6 +92,9 @@ def check_level(requested: Optional[str], flags: Optional[frozenset] = None) -> 
     return requested
 
 
+INT4_PREFILL_KERNELS = ("auto", "float", "int16", "int8")
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernels run. ``level`` is one of ``LEVELS``; the switches can only turn paths off (see ``envs``).
@@ -111,11 +114,26 @@ class KernelConfig:
     batch_invariant: bool = True
     kquant_act_bits: int = 16  # 8 or 16: activations of the GGUF integer matmuls' decode rows (and unmarked calls)
     kquant_prefill_act_bits: int = 8  # the same for prefill rows (``step_rows``)
+    int4_prefill: str = "auto"  # int4 layers' prefill rows below AMX: auto, float, int16, int8 (``int4_prefill_kernel``)
 
     def __post_init__(self) -> None:
         for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
             if getattr(self, name) not in (8, 16):
                 raise ValueError(f"{name} must be 8 or 16; got {getattr(self, name)!r}.")
+        if self.int4_prefill not in INT4_PREFILL_KERNELS:
+            raise ValueError(f"int4_prefill must be one of {', '.join(INT4_PREFILL_KERNELS)}; got {self.int4_prefill!r}.")
+
+    @property
+    def int4_prefill_kernel(self) -> str:
+        """What runs int4 layers' prefill rows where no AMX tile path does: ``float`` (``int4_gemm``: the weight
+        expanded to float32 tiles, bf16 activations exact), ``int16`` / ``int8`` (the integer-dot kernel with
+        15-bit / 8-bit activations; 8-bit adds llama.cpp's activation error, up to max|x| / 254 per group).
+        ``auto`` is ``int16``: on a Xeon with AMX capped to each level (2 threads), at ``avx2`` its ``vpmaddwd``
+        kernel was 1.24-1.35x ``int4_gemm`` at 512 rows (SmolLM2 int4 TTFT at 1,024 tokens 2.2 -> 1.8 s); at
+        ``avx512_bf16`` the two were even end to end (1.41-1.68 vs 1.47-1.60 s; 15-bit ``vpdpbusd`` 0.9-1.15x per
+        layer), where a Zen 4's one 512-bit FMA a cycle against one ``vpdpbusd`` (64 products) should favour it;
+        ``int8`` was 1.3-1.4x there, but at 3x the teacher-forced logprob error that bf16 alone adds."""
+        return "int16" if self.int4_prefill == "auto" else self.int4_prefill
 
     @property
     def native(self) -> bool:
@@ -135,7 +153,7 @@ class KernelConfig:
                            "weight_hugepages", "batch_invariant") if not getattr(self, n)]
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
-                + f" (prefill {self.kquant_prefill_act_bits}-bit)")
+                + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}")
 
     @classmethod
     def from_env(cls, cpu_isa: Optional[str] = None) -> "KernelConfig":
@@ -148,7 +166,8 @@ class KernelConfig:
                    hugepages=envs.flag("PAGEDLLM_HUGEPAGES"), weight_hugepages=envs.flag("PAGEDLLM_WEIGHT_HUGEPAGES"),
                    batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"),
                    kquant_act_bits=_int_env("PAGEDLLM_KQUANT_ACT_BITS"),
-                   kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"))
+                   kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"),
+                   int4_prefill=envs.get("PAGEDLLM_INT4_PREFILL"))
 
 
 def _int_env(name: str) -> int:

@@ -365,12 +365,14 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
  * rounding is about 2^-15 of the group's largest |x|, far below the bf16 rounding of the output (2^-9).
  * A byte permute (vpermt2b) gathers 4 consecutive input features of one weight row into each 32-bit lane, as
  * vpdpbusd wants them. Per group: sum_k w x = xs * (s * sum_k q xq + (z - 8 s) * sum_k xq), as w = (q - 8) s + z.
- * Up to 2 activation rows share each expanded weight vector (more rows loop in chunks of 2). */
+ * Up to 2 activation rows share each expanded weight vector (more rows loop in chunks of 2).
+ * Prefill rows may take 8-bit activations instead (int4_gemv_bf16_a8): xq = 128 q, q = rint(127 x / max|x|) per
+ * group, so lo = 0 and LO = 0 skips its vpdpbusd (half the integer work); the epilogue is the same. */
 #define PF_FEATURES 64 /* prefetch distance in input features (x 32 bytes): 2 KB ahead (~10% over none) */
 static inline __attribute__((always_inline)) void gemv_block(
     const int MR, const int8_t *xhi, const int8_t *xlo, int64_t K, const float *xscale, const float *xsum,
     int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out,
-    void *out, const int F32) {
+    void *out, const int F32, const int LO) {
     /* lane r of rows 0..15: bytes (a[r], a[32 + r], b[r], b[32 + r]) of (a, b) = features (k, k + 1), (k + 2, k + 3) */
     const __m512i idx0 = _mm512_set_epi8(
         111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12, 107, 75, 43, 11, 106, 74, 42, 10,
@@ -400,13 +402,13 @@ static inline __attribute__((always_inline)) void gemv_block(
                                   _mm512_permutex2var_epi8(ha, idx0, hb), _mm512_permutex2var_epi8(ha, idx1, hb)};
 #pragma GCC unroll 2
             for (int r = 0; r < MR; r++) {
-                int32_t qh, ql;
+                int32_t qh, ql = 0;
                 memcpy(&qh, xhi + r * K + k, 4);
-                memcpy(&ql, xlo + r * K + k, 4);
+                if (LO) memcpy(&ql, xlo + r * K + k, 4);
                 const __m512i xh = _mm512_set1_epi32(qh), xl = _mm512_set1_epi32(ql);
                 for (int i = 0; i < 4; i++) {
                     ah[r][i] = _mm512_dpbusd_epi32(ah[r][i], w[i], xh);
-                    al[r][i] = _mm512_dpbusd_epi32(al[r][i], w[i], xl);
+                    if (LO) al[r][i] = _mm512_dpbusd_epi32(al[r][i], w[i], xl); /* 8-bit rows: lo = 0 */
                 }
             }
         }
@@ -507,8 +509,9 @@ static inline void store_block_row(const float *y, int64_t n0, int64_t n_out, vo
 static inline __attribute__((always_inline)) void gemv_block(
     const int MR, const int16_t *xq, int64_t K, const float *xscale, const float *xsum, int64_t n_groups,
     const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out, void *out,
-    const int F32) {
+    const int F32, const int LO) {
     (void)MR;
+    (void)LO; /* 8-bit rows hold xq = 128 q in int16: the same vpmaddwd */
     float y[64] __attribute__((aligned(32))) = {0};
     const uint8_t *pb = packed + b * K * 32;
     for (int64_t g = 0; g < n_groups; g++) {
@@ -566,7 +569,7 @@ static void gemv_block_rows(int64_t M, const int16_t *xq, int64_t K, const float
 /* out[M][n_out] (bf16, or float32 if F32) = x[M][K] (bf16) @ w.T over the CPU int4 pack with bf16
  * scales_and_zeros; K % G == 0, G % 4 == 0. Each row's arithmetic is the same whatever M is (batch invariant). */
 static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
-                      int64_t N_pad, int64_t n_out, void *out, const int F32) {
+                      int64_t N_pad, int64_t n_out, void *out, const int F32, const int A8) {
     const int64_t esz = F32 ? 4 : 2;
     const int64_t n_groups = K / G;
     /* VNNI: hi [M][K] then lo [M][K] (int8); AVX2: xq [M][K] (int16) */
@@ -584,11 +587,14 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
             _mm256_storeu_ps(lanes, vmax);
             float amax = 0.0f;
             for (int l = 0; l < 8; l++) amax = amax > lanes[l] ? amax : lanes[l];
-            /* a group below 2^-100 counts as zero: 16383 / amax would overflow to inf from ~2^-113 (NaN codes) */
-            const float scale = amax / 16383.0f, inv = amax >= 0x1p-100f ? 16383.0f / amax : 0.0f;
+            /* a group below 2^-100 counts as zero: 16383 / amax would overflow to inf from ~2^-113 (NaN codes).
+             * A8: q = rint(127 x / amax), xq = 128 q (|xq| <= 16256), scale amax / 16256: xs xq = q amax / 127 */
+            const float qmax = A8 ? 127.0f : 16383.0f;
+            const float scale = amax / (A8 ? 16256.0f : 16383.0f), inv = amax >= 0x1p-100f ? qmax / amax : 0.0f;
             __m256i vsum = _mm256_setzero_si256();
             for (int64_t k = 0; k < G; k += 8) {
-                const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xg + k), _mm256_set1_ps(inv))); /* |q| <= 16383 */
+                __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xg + k), _mm256_set1_ps(inv))); /* |q| <= 16383 */
+                if (A8) q = _mm256_slli_epi32(q, 7);
                 vsum = _mm256_add_epi32(vsum, q);
                 const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
 #ifdef GEMV_VNNI
@@ -636,13 +642,17 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
             const float *sc = xs + m0 * n_groups, *sm = xs + M * n_groups + m0 * n_groups;
             char *o = (char *)out + m0 * n_out * esz;
             if (F32 && M - m0 >= 2)
-                gemv_block(GEMV_MR, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
+                gemv_block(GEMV_MR, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1, 1);
             else if (F32)
-                gemv_block(1, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1);
+                gemv_block(1, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 1, 1);
+            else if (A8 && M - m0 >= 2)
+                gemv_block(GEMV_MR, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0, 0);
+            else if (A8)
+                gemv_block(1, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0, 0);
             else if (M - m0 >= 2)
-                gemv_block(GEMV_MR, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
+                gemv_block(GEMV_MR, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0, 1);
             else
-                gemv_block(1, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0);
+                gemv_block(1, XQ_ARGS, K, sc, sm, n_groups, packed, sz, G, N_pad, b, n_out, o, 0, 1);
 #undef XQ_ARGS
         }
     }
@@ -652,12 +662,19 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
 
 void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
                     int64_t N_pad, int64_t n_out, uint16_t *out) {
-    gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 0);
+    gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 0, 0);
+}
+
+/* int4_gemv_bf16 on 8-bit activations (prefill rows): per group q = rint(127 x / max|x|), error <= max|x| / 254 per
+ * element (llama.cpp's Q8_0 activations), the VNNI build skipping the low half; both builds give the same bits. */
+void int4_gemv_bf16_a8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
+                       int64_t N_pad, int64_t n_out, uint16_t *out) {
+    gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 0, 1);
 }
 
 void int4_gemv_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz,
                         int64_t G, int64_t N_pad, int64_t n_out, float *out) {
-    gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 1);
+    gemv_rows(x, M, K, packed, sz, G, N_pad, n_out, out, 1, 0);
 }
 
 #ifdef GEMV_VNNI

@@ -82,10 +82,12 @@ void int8_gemm(const void *x, int64_t M, int64_t K, const int8_t *q, const void 
                int is_bf16);
 void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N, float *out,
                  int is_bf16);
-/* 1 where the three below exist: AVX512-VNNI + VBMI + BF16 builds, and AVX2 + FMA builds (same bits) */
+/* 1 where the four below exist: AVX512-VNNI + VBMI + BF16 builds, and AVX2 + FMA builds (same bits) */
 int int4_gemv_bf16_supported(void);
 void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
                     int64_t N_pad, int64_t n_out, uint16_t *out);
+void int4_gemv_bf16_a8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
+                       int64_t N_pad, int64_t n_out, uint16_t *out); /* 8-bit activations (prefill rows) */
 void int4_gemv_bf16_f32(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz,
                         int64_t G, int64_t N_pad, int64_t n_out, float *out); /* float32 out (logits) */
 void int8_logits_vnni(const void *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,

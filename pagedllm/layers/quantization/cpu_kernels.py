@@ -37,16 +37,21 @@ def int4_gemv_supported() -> bool:
 
 
 def int4_gemv_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                   n_out: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                   n_out: int, out_dtype: torch.dtype = torch.bfloat16, act_bits: int = 16) -> torch.Tensor:
     """``x [M, K]`` (bf16, contiguous) @ w.T -> ``[M, n_out]`` in ``out_dtype`` (bf16, or float32 for logits) on
     integer dot products (kernels/csrc/int4_cpu.c): x is quantized per weight group to 15 bits (error ~2^-15 of the
     group's largest |x|), sums are exact in int32, the scales apply in float32, then one rounding to bf16 (none for
     float32). Each row's arithmetic is independent of M. ``scales_and_zeros`` bf16, group ``G % 4 == 0``. Requires
-    ``int4_gemv_supported()``."""
+    ``int4_gemv_supported()``. ``act_bits=8`` (bf16 out only; prefill rows): x quantized per group to int8
+    (``rint(127 x / max|x|)``, error <= max|x| / 254 per element), the VNNI build doing half the integer work.
+    Raises ``ValueError`` for other ``act_bits``, or 8 with float32 out."""
     m, k = x.shape
     out = torch.empty(m, n_out, dtype=out_dtype)
     lib = get_lib()
-    fn = lib.int4_gemv_bf16_f32 if out_dtype == torch.float32 else lib.int4_gemv_bf16
+    if act_bits not in (8, 16) or (act_bits == 8 and out_dtype != torch.bfloat16):
+        raise ValueError(f"int4_gemv_bf16: act_bits {act_bits!r} with {out_dtype} (8 only with bf16 out, or 16)")
+    fn = lib.int4_gemv_bf16_f32 if out_dtype == torch.float32 else (
+        lib.int4_gemv_bf16_a8 if act_bits == 8 else lib.int4_gemv_bf16)
     fn(x.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size, packed.shape[0], n_out,
        out.data_ptr())
     return out
