@@ -61,7 +61,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     nxt = int(out.logits[0, -1].argmax())
     for _ in range(max_new_tokens):
         toks.append(nxt)
-        out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        out = model(torch.tensor([[nxt]]), cache=past, use_cache=True)
         past = out.past_key_values
         nxt = int(out.logits[0, -1].argmax())
     return toks
