@@ -501,7 +501,8 @@ def test_step_rows_give_each_row_its_kernel():
 def test_real_kquant_model_greedy_alone_equals_among_concurrent_others(level):
     """Gemma-3-270M Q4_K_M (Q4_K / Q5_0 / Q6_K / Q8_0 layers, a Q8_0 tied head) in bf16: one prompt's greedy tokens
     alone and batched with 8 others (one prefill step of all nine, through the AMX bf16 tile path at amx and the
-    integer kernel on 8-bit activations below it, then batch-9 decode on the integer kernel) are identical, at each level this CPU runs (batch invariance end to end)."""
+    integer kernel on 8-bit activations below it, then batch-9 decode on the integer kernel) are identical, at each
+    level this CPU runs (batch invariance end to end)."""
     from pagedllm import LLM
     from pagedllm.kernels.config import supported_levels
 

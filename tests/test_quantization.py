@@ -192,8 +192,9 @@ def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 def test_int4_gemv_rows_equal_each_row_alone(group):
-    """The integer-dot kernel (15-bit and 8-bit activations) and the C tile kernel give each row the bits it gets alone, at every row count (AVX2: one row per pass,
-    or 2+ rows sharing each group's widened codes, 16 rows at a time; VNNI: rows in pairs), in both output dtypes,
+    """The integer-dot kernel (15-bit and 8-bit activations) and the C tile kernel give each row the bits it gets
+    alone, at every row count (AVX2: one row per pass, or 2+ rows sharing each group's widened codes, 16 rows at a
+    time; VNNI: rows in pairs), in both output dtypes,
     on rows from 2^-40 to 2^40 (the quantization is per row and group; a row mixed up with another, a group's
     scale applied to the wrong row or a stale buffer would change bits)."""
     from pagedllm.layers.quantization import cpu_kernels
@@ -304,9 +305,10 @@ def test_int4_prefill_bf16_is_the_expanded_weight_through_the_packed_gemm(layout
 def test_int4_avx2_library_gives_the_vnni_kernels_bits():
     """The library built for level avx2 (x86-64-v3: no AVX-512) has the integer-dot kernels too (vpmaddwd over the
     codes widened to 16 bits, the activations' 15-bit / 22-bit integers whole or in two int16 parts): int4 GEMV
-    (bf16 and float32 out; 8-bit activations for prefill rows) and int8 logits within the float64 bounds of the activation rounding, on a row spanning
-    six orders of magnitude; its C tile gemm and scalar int8 logits too. Where the CPU also runs avx512_bf16, every
-    one of them equals the AVX-512 build's bits (same integers, same float operations in the same order)."""
+    (bf16 and float32 out; 8-bit activations for prefill rows) and int8 logits within the float64 bounds of the
+    activation rounding, on a row spanning six orders of magnitude; its C tile gemm and scalar int8 logits too. Where
+    the CPU also runs avx512_bf16, every one of them equals the AVX-512 build's bits (same integers, same float
+    operations in the same order)."""
     if "avx2" not in kernels.supported_levels():
         pytest.skip("CPU below x86-64-v3")
     from pagedllm.layers.quantization import kernels as K

@@ -114,14 +114,15 @@ class KernelConfig:
     batch_invariant: bool = True
     kquant_act_bits: int = 16  # 8 or 16: activations of the GGUF integer matmuls' decode rows (and unmarked calls)
     kquant_prefill_act_bits: int = 8  # the same for prefill rows (``step_rows``)
-    int4_prefill: str = "auto"  # int4 layers' prefill rows below AMX: auto, float, int16, int8 (``int4_prefill_kernel``)
+    int4_prefill: str = "auto"  # int4 prefill rows below AMX: auto, float, int16, int8 (``int4_prefill_kernel``)
 
     def __post_init__(self) -> None:
         for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
             if getattr(self, name) not in (8, 16):
                 raise ValueError(f"{name} must be 8 or 16; got {getattr(self, name)!r}.")
         if self.int4_prefill not in INT4_PREFILL_KERNELS:
-            raise ValueError(f"int4_prefill must be one of {', '.join(INT4_PREFILL_KERNELS)}; got {self.int4_prefill!r}.")
+            raise ValueError(f"int4_prefill must be one of {', '.join(INT4_PREFILL_KERNELS)}; "
+                             f"got {self.int4_prefill!r}.")
 
     @property
     def int4_prefill_kernel(self) -> str:

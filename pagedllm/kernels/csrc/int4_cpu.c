@@ -593,7 +593,8 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
             const float scale = amax / (A8 ? 16256.0f : 16383.0f), inv = amax >= 0x1p-100f ? qmax / amax : 0.0f;
             __m256i vsum = _mm256_setzero_si256();
             for (int64_t k = 0; k < G; k += 8) {
-                __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xg + k), _mm256_set1_ps(inv))); /* |q| <= 16383 */
+                /* |q| <= 16383 */
+                __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xg + k), _mm256_set1_ps(inv)));
                 if (A8) q = _mm256_slli_epi32(q, 7);
                 vsum = _mm256_add_epi32(vsum, q);
                 const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));

@@ -284,12 +284,12 @@ INT4_PREFILL_SLAB_WEIGHTS = 1 << 21
 def int4_prefill_backend(k: int):
     """``(LinearBackend, its library, layout id)`` for the prefill rows of an int4 layer with ``k`` inputs
     (``int4_dequant_packed_bf16`` writes that backend's packed layout: 0 AMX, 1 dpbf16), or None: then prefill rows
-    take ``KernelConfig.int4_prefill_kernel`` (``int4_matmul``). Only on AMX: there it is 5-7x ``int4_gemm``'s float32 FMAs at 512 rows (SmolLM2's layers on a
-    Xeon with AMX, 2 threads, expansion included: 960x576 2.1 -> 0.37 ms, 3072x576 5.9 -> 1.2 ms; Qwen 1.5B's
-    17920x1536 104 -> 21 ms) and even at 32 rows (0.41 -> 0.22 ms). The dpbf16 layout (1) is written too, but on that
-    Xeon forced to avx512_bf16 dpbf16 was no faster than ``int4_gemm`` (3072x576 at 512 rows 7.4 vs 6.3 ms; the
-    integer-dot kernel there: 7.3-7.9 on 15-bit activations, 4.7-4.9 on 8-bit; 17920x1536: dpbf16 110, ``int4_gemm``
-    100-104, 15-bit 113, 8-bit 72-75)."""
+    take ``KernelConfig.int4_prefill_kernel`` (``int4_matmul``). Only on AMX: there it is 5-7x ``int4_gemm``'s float32
+    FMAs at 512 rows (SmolLM2's layers on a Xeon with AMX, 2 threads, expansion included: 960x576 2.1 -> 0.37 ms,
+    3072x576 5.9 -> 1.2 ms; Qwen 1.5B's 17920x1536 104 -> 21 ms) and even at 32 rows (0.41 -> 0.22 ms). The dpbf16
+    layout (1) is written too, but on that Xeon forced to avx512_bf16 dpbf16 was no faster than ``int4_gemm``
+    (3072x576 at 512 rows 7.4 vs 6.3 ms; the integer-dot kernel there: 7.3-7.9 on 15-bit activations, 4.7-4.9 on
+    8-bit; 17920x1536: dpbf16 110, ``int4_gemm`` 100-104, 15-bit 113, 8-bit 72-75)."""
     from pagedllm.layers.packed_linear import linear_backend
 
     if k % 32:
@@ -343,7 +343,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     the integer-dot kernel: decode rows (and rows of unknown kind, e.g. logits) on it, prefill rows
     (``step_rows``) on the packed bf16 GEMM over tiles expanded to bf16 where that runs AMX (``int4_prefill_bf16``),
     else on ``KernelConfig.int4_prefill_kernel`` (by default the integer-dot kernel on 15-bit activations, as decode
-    rows; or our C tile kernel ``int4_gemm``); otherwise our C tile kernel (``int4_gemm``, float32 weights) for every row;
+    rows); without the integer-dot kernel our C tile kernel (``int4_gemm``, float32 weights) for every row;
     level ``none``: aten's op (not guaranteed invariant). With invariance off the path is picked by T
     (``INT4_GEMM_MIN_TOKENS``). ``layout``: the pack's (``PackedInt4.pack``); our kernels read only ``INT4_OURS``,
     aten's op only aten's own; a pack neither can read is expanded for a dense matmul.
