@@ -122,6 +122,8 @@ def test_sigterm_drains_then_cuts_streams_with_an_error_event(tmp_path):
                 short = asyncio.create_task(short_stream())
                 await asyncio.wait_for(started.wait(), 240)  # it is running: it must finish within the grace
                 handle.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.05)  # the same stop again (a process group's signal, then its parent's)
+                handle.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
                 refused = await ac.post("/v1/completions", json=_body(PROMPTS[4], False))
                 return await asyncio.gather(*long), await short, refused
@@ -132,5 +134,44 @@ def test_sigterm_drains_then_cuts_streams_with_an_error_event(tmp_path):
         for _, events in long:
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead", events[-3:]
         assert handle.proc.wait(60) == 0, handle.log_tail()
+        with open(tmp_path / "serve.log") as f:  # one stop, delivered twice: one drain
+            assert f.read().count("draining (up to") == 1
+    finally:
+        stop_server(handle, timeout=10)
+
+
+def test_a_second_sigterm_during_the_drain_exits_at_once(tmp_path):
+    """A SIGTERM more than ``SIGNAL_REPEAT_S`` after the first is an operator's second signal: the server stops
+    without waiting out --graceful-shutdown-timeout (streams that were still running end), and exits 0."""
+    import signal
+    import time
+
+    from pagedllm.entrypoints.openai.api_server import SIGNAL_REPEAT_S
+
+    handle = start_server(str(tmp_path / "serve.log"), "--graceful-shutdown-timeout", "60")
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=handle.url, timeout=300) as ac:
+                started = asyncio.Event()
+
+                async def long_stream():
+                    async with ac.stream("POST", "/v1/completions", json=_body(PROMPTS[0], True, 1500)) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                started.set()
+
+                task = asyncio.create_task(long_stream())
+                await asyncio.wait_for(started.wait(), 240)
+                handle.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(SIGNAL_REPEAT_S + 0.5)
+                assert handle.proc.poll() is None  # draining: the stream has most of 60 s left
+                t0 = time.monotonic()
+                handle.proc.send_signal(signal.SIGTERM)
+                rc = await asyncio.to_thread(handle.proc.wait, 50)
+                task.cancel()
+                return rc, time.monotonic() - t0
+
+        rc, took = asyncio.run(main())
+        assert rc == 0 and took < 20, (rc, took, handle.log_tail())
     finally:
         stop_server(handle, timeout=10)

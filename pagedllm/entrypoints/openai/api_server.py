@@ -82,6 +82,9 @@ def _error_response(err: OpenAIServingError) -> JSONResponse:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+# A stop signal within this many seconds of the first is the same stop delivered twice (the process group's and the
+# parent's), not an operator's second signal asking to exit at once.
+SIGNAL_REPEAT_S = 1.0
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str], str]:
@@ -468,17 +471,24 @@ def run_server(ns: argparse.Namespace) -> int:
     class _Server(uvicorn.Server):
         """On SIGINT/SIGTERM: stop admitting (503), let in-flight requests finish for up to ``grace`` s, end the
         rest with an error event, then let uvicorn close (a second signal exits at once). uvicorn re-raises a
-        caught signal after its shutdown (so the process dies by the signal); we exit 0 instead."""
+        caught signal after its shutdown (so the process dies by the signal); we exit 0 instead.
 
-        draining = False
+        A signal within ``SIGNAL_REPEAT_S`` of the first is the same request, not a second one: a process manager
+        or ``make`` signals the process group and then forwards the signal to its child, so one stop arrives twice
+        (seen as two "draining" lines and two drain tasks: the second handler ran inside the first's log call)."""
+
+        draining_since: Optional[float] = None
 
         def handle_exit(self, sig, frame) -> None:
             loop = app.state.loop
-            if self.draining or loop is None or self.should_exit:
+            now = time.monotonic()
+            if self.draining_since is not None and now - self.draining_since < SIGNAL_REPEAT_S:
+                pass  # the same stop, delivered twice
+            elif self.draining_since is not None or loop is None or self.should_exit:
                 super().handle_exit(sig, frame)
             else:
+                self.draining_since = now  # first: a signal arriving during the log call below sees it
                 logger.info("signal %d: draining (up to %g s), then shutting down", sig, grace)
-                self.draining = True
                 engine.start_draining()
                 loop.call_soon_threadsafe(self._start_drain)
             self._captured_signals.clear()
