@@ -275,9 +275,9 @@ def machine_info() -> dict:
 
         # the level our runs used (PAGEDLLM_CPU_ISA caps it: its section of RESULTS.md is that level's), and the
         # CPU's own when they differ
-        info["isa_level"] = KernelConfig.from_env().level
-        if info["isa_level"] != detect_level():
-            info["isa_level_cpu_best"] = detect_level()
+        info["isa_level"], best = KernelConfig.from_env().level, detect_level()
+        if info["isa_level"] != best:
+            info["isa_level_cpu_best"] = best
     except OSError:
         pass
     info["cores"] = os.cpu_count()

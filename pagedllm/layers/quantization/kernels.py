@@ -372,11 +372,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
         if found is not None:
             def prefill(xp: torch.Tensor) -> torch.Tensor:
                 return int4_prefill_bf16(xp, packed, scales_and_zeros, kernel_g, n_out, found)
-        elif kernels.config().int4_prefill_kernel == "float":
+        elif (kind := kernels.config().int4_prefill_kernel) == "float":
             def prefill(xp: torch.Tensor) -> torch.Tensor:
                 return cpu_kernels.int4_gemm(xp, packed, scales_and_zeros, kernel_g, n_out)
         else:  # the integer-dot kernel at 15 or 8 bits (KernelConfig.int4_prefill_kernel)
-            bits = 8 if kernels.config().int4_prefill_kernel == "int8" else 16
+            bits = 8 if kind == "int8" else 16
 
             def prefill(xp: torch.Tensor) -> torch.Tensor:
                 return gemv(xp, packed, scales_and_zeros, kernel_g, n_out, out_dtype, bits)

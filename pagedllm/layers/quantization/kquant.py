@@ -231,8 +231,8 @@ def kquant_prefill_bf16(x: torch.Tensor, weights: Sequence[KQuantWeight], found,
     """``x [T, K]`` bf16 ``@ cat(weights).T -> [T, N]`` bf16 through the packed bf16 GEMM of ``found``
     (``prefill_backend``, or ``packed_bf16_backend`` for the dpbf16 layout): slab by slab, each weight's rows are
     dequantized (gguf's values, rounded once to bf16) into the kernel's layout and multiplied (float32 sums, one
-    rounding). A row's result does not depend on the other
-    rows (the backends are batch invariant). Every weight's rows must be a multiple of 32."""
+    rounding). A row's result does not depend on the other rows (the backends are batch invariant). Every weight's
+    rows must be a multiple of 32."""
     lib = lib or get_lib()
     backend, kern, layout = found
     linear = getattr(kern, backend.linear)
