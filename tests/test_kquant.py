@@ -478,14 +478,23 @@ def test_step_rows_give_each_row_its_kernel():
 
     k = 256
     ws = [KQuantWeight(T.Q4_K, k, torch.from_numpy(_blocks(T.Q4_K, 64, k, seed=9))).tiled()]
-    x = torch.randn(7, k).bfloat16()
+    x = torch.randn(21, k).bfloat16()
     ints = kquant_linear(x, ws)  # outside a step: the integer kernel for every row
-    with step_rows([1, 5, 1]):  # rows 0 and 6 decode, 1-5 a prefill chunk
+    # rows 0 and 20 decode, 1-19 a prefill chunk: 2 of 21 rows, the step through the prefill path then those two
+    # recomputed (by_row_kind); with 2 of 7 rows decode, the rows of each kind gathered apart. The same bits.
+    with step_rows([1, 19, 1]):
         mixed = kquant_linear(x, ws)
+    assert torch.equal(mixed[[0, 20]], ints[[0, 20]])
+    with step_rows([19]):
+        pre19 = kquant_linear(x[1:20], ws)
+    assert torch.equal(mixed[1:20], pre19)
+    with step_rows([1, 5, 1]):
+        mixed = kquant_linear(x[:7], ws)
     assert torch.equal(mixed[[0, 6]], ints[[0, 6]])
     with step_rows([5]):
         pre = kquant_linear(x[1:6], ws)
     assert torch.equal(mixed[1:6], pre)
+    assert torch.equal(pre, pre19[:5])
     if kquant.prefill_backend() is not None:
         assert torch.equal(pre, kquant.kquant_prefill_bf16(x[1:6], ws, kquant.prefill_backend()))
     else:  # the integer kernel on activations of the prefill width (KernelConfig.kquant_prefill_act_bits)

@@ -241,28 +241,62 @@ def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
     torch.manual_seed(0)
     pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(200, 256), 32), torch.bfloat16)
     mm = lambda x: K.int4_matmul(x, pk["packed"], pk["scales_and_zeros"], 32, 200)  # noqa: E731
-    query_lens = [1, 5, 1, 3, 1]
-    x = torch.randn(sum(query_lens), 256).bfloat16()
-    with K.step_rows(query_lens):
-        y = mm(x)
-    starts = [0, 1, 6, 7, 10]
-    for s0, q in zip(starts, query_lens):
-        with K.step_rows([q]):
-            alone = mm(x[s0:s0 + q].contiguous())
-        assert torch.equal(y[s0:s0 + q], alone), (s0, q)
-    with K.step_rows([1] * 11):
-        assert torch.equal(mm(x)[0], y[0])  # a decode row among 10 others
-    if K.int4_prefill_backend(256) is None:  # below AMX: a prefill row is int4_prefill_kernel's
-        for kind in ("float", "int16", "int8"):
-            with kernels.use(dataclasses.replace(kernels.config(), int4_prefill=kind)):
-                with K.step_rows(query_lens):
-                    y = mm(x)
-            args = (x[1:6].contiguous(), pk["packed"], pk["scales_and_zeros"], 32, 200)
-            want = cpu_kernels.int4_gemm(*args) if kind == "float" else cpu_kernels.int4_gemv_bf16(
-                *args, torch.bfloat16, 8 if kind == "int8" else 16)
-            assert torch.equal(y[1:6], want), kind
-        assert torch.equal(y[0], cpu_kernels.int4_gemv_bf16(x[0:1], pk["packed"], pk["scales_and_zeros"], 32,
-                                                            200)[0])
+    # 2 decode rows of 42 (the step through the prefill kernel, the decode rows recomputed: by_row_kind), then 3 of
+    # 11 (the kinds' rows gathered apart)
+    for lens in ([1, 30, 1, 10], [1, 5, 1, 3, 1]):
+        x = torch.randn(sum(lens), 256).bfloat16()
+        with K.step_rows(lens):
+            y = mm(x)
+        s0 = 0
+        for q in lens:
+            with K.step_rows([q]):
+                alone = mm(x[s0:s0 + q].contiguous())
+            assert torch.equal(y[s0:s0 + q], alone), (lens, s0, q)
+            s0 += q
+        with K.step_rows([1] * len(x)):
+            assert torch.equal(mm(x)[0], y[0])  # a decode row among others
+        if K.int4_prefill_backend(256) is None:  # below AMX: a prefill row is int4_prefill_kernel's
+            for kind in ("float", "int16", "int8"):
+                with kernels.use(dataclasses.replace(kernels.config(), int4_prefill=kind)):
+                    with K.step_rows(lens):
+                        y = mm(x)
+                args = (x[1:1 + lens[1]].contiguous(), pk["packed"], pk["scales_and_zeros"], 32, 200)
+                want = cpu_kernels.int4_gemm(*args) if kind == "float" else cpu_kernels.int4_gemv_bf16(
+                    *args, torch.bfloat16, 8 if kind == "int8" else 16)
+                assert torch.equal(y[1:1 + lens[1]], want), (lens, kind)
+                assert torch.equal(y[0], cpu_kernels.int4_gemv_bf16(x[0:1], pk["packed"], pk["scales_and_zeros"],
+                                                                    32, 200)[0]), (lens, kind)
+
+
+@pytest.mark.parametrize("lens", [[1, 40, 1], [1, 3, 1, 1, 2], [7], [2, 1, 1]])
+def test_by_row_kind_gives_each_row_its_kind_s_function(lens):
+    """``by_row_kind``: prefill rows get ``prefill``'s result and decode rows ``decode``'s, whether it recomputes a few
+    decode rows over a whole-step prefill call or gathers the two kinds apart; a function sees only rows of its
+    kind, except ``prefill``, which may see the whole step."""
+    from pagedllm.layers.quantization import kernels as K
+
+    x = torch.randn(sum(lens), 8)
+    seen = {"prefill": [], "decode": []}
+
+    def fn(kind, add):
+        def f(rows):
+            seen[kind].append(rows.shape[0])
+            return rows * 2 + add
+        return f
+
+    with K.step_rows(lens):
+        y = K.by_row_kind(x, K.current_step_rows(), fn("prefill", 0.0), fn("decode", 100.0))
+    is_dec = torch.zeros(sum(lens), dtype=torch.bool)
+    at = 0
+    for q in lens:
+        is_dec[at] = q == 1
+        at += q
+    want = x * 2 + 100.0 * is_dec[:, None]
+    assert torch.equal(y, want)
+    n_dec = int(is_dec.sum())
+    assert seen["decode"] == ([n_dec] if n_dec else [])
+    recompute = n_dec <= len(x) * K.RECOMPUTE_DECODE_MAX_FRACTION
+    assert seen["prefill"] == [len(x) if recompute else len(x) - n_dec]
 
 
 @pytest.mark.parametrize("layout", [0, 1])

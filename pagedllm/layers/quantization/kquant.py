@@ -270,7 +270,7 @@ def kquant_linear(x: torch.Tensor, weights: Sequence[KQuantWeight], out_dtype: O
     ``amx`` (tiles dequantized to bf16: the weights rounded once to bf16, like a bf16 model), elsewhere the integer
     kernel on ``KernelConfig.kquant_prefill_act_bits`` activations; decode rows and every other call run the integer
     kernel on the file's exact values (15-bit activations)."""
-    from pagedllm.layers.quantization.kernels import current_step_rows
+    from pagedllm.layers.quantization.kernels import by_row_kind, current_step_rows
 
     out_dtype = out_dtype or x.dtype
     kernel_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
@@ -279,22 +279,15 @@ def kquant_linear(x: torch.Tensor, weights: Sequence[KQuantWeight], out_dtype: O
             w.rows % 32 == 0 for w in weights) and x.shape[1] % 32 == 0:
         found = prefill_backend(lib)
         if found is not None:
-            if rows.decode is None:
-                return kquant_prefill_bf16(x, weights, found, lib)
-            out = torch.empty(x.shape[0], sum(w.rows for w in weights), dtype=torch.bfloat16)
-            out[rows.decode] = kquant_matmul(quantize_activations(x[rows.decode], lib), weights, torch.bfloat16, lib)
-            out[rows.prefill] = kquant_prefill_bf16(x[rows.prefill], weights, found, lib)
-            return out
+            return by_row_kind(x.contiguous(), rows, lambda xp: kquant_prefill_bf16(xp, weights, found, lib),
+                               lambda xd: kquant_matmul(quantize_activations(xd, lib), weights, torch.bfloat16, lib))
     cfg = kernels.config()
     if rows is not None and rows.num_tokens == x.shape[0] and rows.prefill is not None and \
             cfg.kquant_prefill_act_bits != cfg.kquant_act_bits:
         pb = cfg.kquant_prefill_act_bits
-        if rows.decode is None:
-            y = kquant_matmul(quantize_activations(x, lib, pb), weights, kernel_dtype, lib)
-        else:
-            y = torch.empty(x.shape[0], sum(w.rows for w in weights), dtype=kernel_dtype)
-            y[rows.decode] = kquant_matmul(quantize_activations(x[rows.decode], lib), weights, kernel_dtype, lib)
-            y[rows.prefill] = kquant_matmul(quantize_activations(x[rows.prefill], lib, pb), weights, kernel_dtype, lib)
+        y = by_row_kind(x.contiguous(), rows,
+                        lambda xp: kquant_matmul(quantize_activations(xp, lib, pb), weights, kernel_dtype, lib),
+                        lambda xd: kquant_matmul(quantize_activations(xd, lib), weights, kernel_dtype, lib))
     else:
         y = kquant_matmul(quantize_activations(x, lib), weights, kernel_dtype, lib)
     return y if kernel_dtype == out_dtype else y.to(out_dtype)
