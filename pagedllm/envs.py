@@ -27,7 +27,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "CPU supports; a level above it is an error). Same as --cpu-isa / LLM(cpu_isa=...)."),
     EnvVar("PAGEDLLM_CPU_KERNELS", "1", "0: load no C library at all (as level none: pure torch paths)."),
     EnvVar("PAGEDLLM_AMX_ATTENTION", "1", "0: no AMX attention (prefill kernel and the decode kernel's AMX score pass)."),
-    EnvVar("PAGEDLLM_AMX_LINEAR", "1", "0: bf16 linears don't use the AMX kernel (the next backend of the level)."),
+    EnvVar("PAGEDLLM_AMX_LINEAR", "1", "0: bf16 linears don't use the AMX kernel (the next backend of the level), "
+           "nor int4 linears' integer sums AMX-INT8 tiles (their VNNI loop instead: the same bits)."),
     EnvVar("PAGEDLLM_PACK_WEIGHTS", "1", "0: keep plain bf16 weights (F.linear) instead of packing them at load."),
     EnvVar("PAGEDLLM_FUSED_STACK", "1", "0: run the model's Python layer loop instead of the fused C loop."),
     EnvVar("PAGEDLLM_HUGEPAGES", "0", "1: KV caches in one huge-page-advised mapping (Linux)."),

@@ -268,6 +268,36 @@ def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
                                                                     32, 200)[0]), (lens, kind)
 
 
+def test_int4_gemv_amx_int8_gives_the_vnni_bits():
+    """``int4_gemv_bf16`` on AMX-INT8 tiles (calls of ``int4_gemv_amx_min_rows()`` rows or more, level ``amx``) gives
+    its VNNI loop's bits: the same exact int32 sums and float32 epilogue, for groups of 32, 64 and 128 (one or two
+    tile products a group), row counts around the 16-row tiles, and the bf16, float32 (logits) and 8-bit-activation
+    forms."""
+    from pagedllm.kernels.config import cpu_flags
+    from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
+
+    if kernels.config().level != "amx" or "amx_int8" not in cpu_flags() or not kernels.config().amx_linear:
+        pytest.skip("AMX-INT8 runs only at level amx on a CPU with it")
+    lo = cpu_kernels.int4_gemv_amx_min_rows()
+    assert lo > 1
+    off = dataclasses.replace(kernels.config(), amx_linear=False)
+    with kernels.use(off):
+        assert cpu_kernels.int4_gemv_amx_min_rows() == 0
+    torch.manual_seed(0)
+    for g, (n, k) in [(32, (200, 256)), (64, (130, 512)), (128, (576, 1536))]:
+        pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(n, k), g), torch.bfloat16)
+        for m in (lo - 1, lo, 16, 17, 40):
+            x = torch.randn(m, k).bfloat16()
+            x[0, :g] = 0  # a zero group
+            for dtype, bits in ((torch.bfloat16, 16), (torch.float32, 16), (torch.bfloat16, 8)):
+                args = (x, pk["packed"], pk["scales_and_zeros"], g, n, dtype, bits)
+                y = cpu_kernels.int4_gemv_bf16(*args)
+                with kernels.use(off):
+                    want = cpu_kernels.int4_gemv_bf16(*args)
+                assert torch.equal(y, want), (g, m, dtype, bits)
+
+
 @pytest.mark.parametrize("lens", [[1, 40, 1], [1, 3, 1, 1, 2], [7], [2, 1, 1]])
 def test_by_row_kind_gives_each_row_its_kind_s_function(lens):
     """``by_row_kind``: prefill rows get ``prefill``'s result and decode rows ``decode``'s, whether it recomputes a few

@@ -30,7 +30,7 @@ _LEVEL_MARCH = {
     "avx2": ["-march=x86-64-v3"],
 }
 _LEVEL_OPTIONAL = {
-    "amx": {"avx512_vnni": "-mavx512vnni", "avx512vbmi": "-mavx512vbmi"},
+    "amx": {"avx512_vnni": "-mavx512vnni", "avx512vbmi": "-mavx512vbmi", "amx_int8": "-mamx-int8"},
     "avx512_bf16": {"avx512_vnni": "-mavx512vnni", "avx512vbmi": "-mavx512vbmi"},
     "avx2": {"avx_vnni": "-mavxvnni"},
 }

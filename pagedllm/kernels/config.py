@@ -154,7 +154,9 @@ class KernelConfig:
                            "weight_hugepages", "batch_invariant") if not getattr(self, n)]
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
-                + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}")
+                + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}"
+                + (", int4 integer sums on AMX-INT8" if self.amx and self.amx_linear and "amx_int8" in cpu_flags()
+                   else ""))
 
     @classmethod
     def from_env(cls, cpu_isa: Optional[str] = None) -> "KernelConfig":

@@ -444,6 +444,150 @@ static inline __attribute__((always_inline)) void gemv_block(
 
 #endif /* GEMV_VNNI */
 
+#if defined(GEMV_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* The VNNI kernel's integers on AMX-INT8 tiles (TDPBSUD: s8 activations x u8 codes, exact int32 sums; Intel
+ * Architecture Instruction Set Extensions Programming Reference, ch. 3), for calls of at least GEMV_AMX_MIN_ROWS rows.
+ *
+ * Why: with 15-bit activations a row's group costs two vpdpbusd per 64 products, and gemv_block expands each weight
+ * vector for 2 rows at a time, so a batched decode step is bound by those instructions, not by the weight stream
+ * (SmolLM2 int4 at 32 rows: ~2x the bf16 model's step). Here a 64-column block's codes of one group are expanded
+ * once into four B tiles (vpermt2b gives exactly the tiles' rows: 4 features of 16 columns) and serve every row;
+ * one TDPBSUD does 16 rows x 16 columns x up to 64 features.
+ * Same bits as gemv_block: the same int32 sums (exact, in any order) per (row, group, column) and the same float32
+ * epilogue, in the same order (tested). Tiles: 0-3 sums (hi and lo halves x two 16-column tiles), 4-5 the rows'
+ * hi and lo bytes, 6-7 codes. The process must hold the AMX tile state: int4_gemv_use_amx(1) is called from Python
+ * only once the AMX library has asked for it. */
+#include "amx.h"
+#define GEMV_AMX 1
+#define GEMV_AMX_MIN_ROWS 8
+static int g_int4_amx = 0;
+int int4_gemv_use_amx(int on) {
+    g_int4_amx = on;
+    return on ? GEMV_AMX_MIN_ROWS : 0;
+}
+
+static inline void amx_int4_config(int rows, int kc) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 4; t++) { cfg.rows[t] = (uint8_t)rows; cfg.colsb[t] = 64; }
+    for (int t = 4; t < 6; t++) { cfg.rows[t] = (uint8_t)rows; cfg.colsb[t] = (uint16_t)kc; }
+    for (int t = 6; t < 8; t++) { cfg.rows[t] = (uint8_t)(kc / 4); cfg.colsb[t] = 64; }
+    amx_load_tilecfg(&cfg);
+}
+
+/* Block b (64 columns) for all M rows: out[m][64 b ..] (bf16, or float32 if F32). kc: features per tile product
+ * (32 or 64, dividing G). wt: 4 * G * 16 bytes; y: M * 64 floats; cb: 4 * 256 int32; all 64-byte aligned. */
+static void amx_block(int64_t M, const int8_t *xhi, const int8_t *xlo, int64_t K, const float *xscale,
+                      const float *xsum, int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G,
+                      int64_t N_pad, int64_t b, int64_t n_out, void *out, const int F32, const int LO, int kc,
+                      uint8_t *wt, float *y, int32_t *cb, int *cur_rows) {
+    const __m512i idx0 = _mm512_set_epi8(
+        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12, 107, 75, 43, 11, 106, 74, 42, 10,
+        105, 73, 41, 9, 104, 72, 40, 8, 103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
+        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+    const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi8(16));
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
+    const uint8_t *pb = packed + b * K * 32;
+    const int64_t nchunk = G / kc, trows = kc / 4; /* tile products a group; B tile rows */
+    for (int64_t i = 0; i < M * 64; i += 16) _mm512_store_ps(y + i, _mm512_setzero_ps());
+    for (int64_t g = 0; g < n_groups; g++) {
+        /* the group's codes as B tiles: wt[c][q] (chunk c, column quarter q) = trows rows of 64 bytes */
+        for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+            _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pb + (k + PF_FEATURES + 2) * 32), _MM_HINT_T0);
+            const __m512i va = _mm512_loadu_si512((const void *)(pb + k * 32));
+            const __m512i vb = _mm512_loadu_si512((const void *)(pb + (k + 2) * 32));
+            const __m512i la = _mm512_and_si512(va, m0f), lb = _mm512_and_si512(vb, m0f);
+            const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(va, 4), m0f);
+            const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(vb, 4), m0f);
+            const int64_t kk = k - g * G, c = kk / kc, r = kk % kc / 4;
+            uint8_t *dst = wt + c * 4 * trows * 64 + r * 64;
+            _mm512_store_si512((void *)(dst), _mm512_permutex2var_epi8(la, idx0, lb));
+            _mm512_store_si512((void *)(dst + trows * 64), _mm512_permutex2var_epi8(la, idx1, lb));
+            _mm512_store_si512((void *)(dst + 2 * trows * 64), _mm512_permutex2var_epi8(ha, idx0, hb));
+            _mm512_store_si512((void *)(dst + 3 * trows * 64), _mm512_permutex2var_epi8(ha, idx1, hb));
+        }
+        amx_fence(); /* the tile loads below read wt */
+        const uint16_t *szg = sz + (g * N_pad + 64 * b) * 2;
+        __m512 s[4], zc[4];
+        for (int i = 0; i < 4; i++) {
+            const __m512i p = _mm512_loadu_si512((const void *)(szg + 32 * i));
+            s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+            zc[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[i], _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask)));
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+            if (rows != *cur_rows) {
+                amx_int4_config(rows, kc);
+                *cur_rows = rows;
+            }
+            for (int h = 0; h < 2; h++) { /* column quarters 2h, 2h + 1 */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t c = 0; c < nchunk; c++) {
+                    const int64_t k0 = g * G + c * kc;
+                    const uint8_t *w0 = wt + (c * 4 + 2 * h) * trows * 64;
+                    _tile_loadd(4, xhi + m0 * K + k0, K);
+                    _tile_loadd(6, w0, 64);
+                    _tile_dpbsud(0, 4, 6);
+                    _tile_loadd(7, w0 + trows * 64, 64);
+                    _tile_dpbsud(1, 4, 7);
+                    if (LO) {
+                        _tile_loadd(5, xlo + m0 * K + k0, K);
+                        _tile_dpbsud(2, 5, 6);
+                        _tile_dpbsud(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, cb, 64);
+                _tile_stored(1, cb + 256, 64);
+                if (LO) {
+                    _tile_stored(2, cb + 512, 64);
+                    _tile_stored(3, cb + 768, 64);
+                }
+                for (int r = 0; r < rows; r++) {
+                    const int64_t m = m0 + r;
+                    const __m512 xsb = _mm512_set1_ps(xsum[m * n_groups + g]);
+                    const __m512 xcb = _mm512_set1_ps(xscale[m * n_groups + g]);
+                    for (int j = 0; j < 2; j++) {
+                        const int i = 2 * h + j;
+                        __m512i hv = _mm512_load_si512((const void *)(cb + j * 256 + r * 16));
+                        __m512i dv = _mm512_slli_epi32(hv, 7);
+                        if (LO) dv = _mm512_add_epi32(dv, _mm512_load_si512((const void *)(cb + 512 + j * 256 + r * 16)));
+                        else dv = _mm512_add_epi32(dv, _mm512_setzero_si512());
+                        const __m512 dot = _mm512_cvtepi32_ps(dv);
+                        float *yp = y + m * 64 + 16 * i;
+                        __m512 acc = _mm512_fmadd_ps(zc[i], xsb, _mm512_load_ps(yp));
+                        acc = _mm512_fmadd_ps(s[i], _mm512_mul_ps(dot, xcb), acc);
+                        _mm512_store_ps(yp, acc);
+                    }
+                }
+            }
+        }
+    }
+    const int64_t n0 = 64 * b;
+    for (int64_t m = 0; m < M; m++)
+        for (int i = 0; i < 4; i++) {
+            const int64_t cnt = n_out - n0 - 16 * i;
+            if (cnt <= 0) break;
+            const __mmask16 mask = cnt >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cnt) - 1);
+            if (F32)
+                _mm512_mask_storeu_ps((float *)out + m * n_out + n0 + 16 * i, mask, _mm512_load_ps(y + m * 64 + 16 * i));
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)out + m * n_out + n0 + 16 * i, mask,
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(y + m * 64 + 16 * i)));
+        }
+}
+#else
+int int4_gemv_use_amx(int on) { /* no AMX-INT8 in this build */
+    (void)on;
+    return 0;
+}
+#endif
+
 #ifdef GEMV_AVX2
 /* The AVX2 form of the VNNI kernel above, with the same integers and the same float32 operations in the same order,
  * so both builds give the same bits. Without a byte permute across lanes or a u8 x s8 dot into int32 that can't
@@ -626,6 +770,29 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
                 gemv_block_rows(mr, xr, K, sc, sm, n_groups, packed, sz, G, N_pad, t / nc, n_out, o, 1);
             else
                 gemv_block_rows(mr, xr, K, sc, sm, n_groups, packed, sz, G, N_pad, t / nc, n_out, o, 0);
+        }
+        free(xq);
+        free(xs);
+        return;
+    }
+#endif
+#ifdef GEMV_AMX
+    if (g_int4_amx && M >= GEMV_AMX_MIN_ROWS && G % 32 == 0) { /* the same sums on AMX tiles (amx_block) */
+        const int kc = G % 64 == 0 ? 64 : 32;
+#pragma omp parallel
+        {
+            uint8_t *wt = (uint8_t *)aligned_alloc(64, (size_t)(4 * G * 16));
+            float *y = (float *)aligned_alloc(64, sizeof(float) * (size_t)(M * 64));
+            int32_t *cb = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 1024);
+            int cur_rows = -1;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nb; b++)
+                amx_block(M, xq, xq + M * K, K, xs, xs + M * n_groups, n_groups, packed, sz, G, N_pad, b, n_out,
+                          (char *)out, F32, !A8, kc, wt, y, cb, &cur_rows);
+            if (cur_rows >= 0) _tile_release();
+            free(wt);
+            free(y);
+            free(cb);
         }
         free(xq);
         free(xs);

@@ -15,7 +15,31 @@ from pagedllm import kernels
 
 def get_lib() -> Optional[ctypes.CDLL]:
     """The int4/int8 kernels' library for the active level, or None: level ``none``, disabled, or no compiler."""
-    return kernels.lib("int4")
+    lib = kernels.lib("int4")
+    if lib is not None:
+        _sync_amx(lib)
+    return lib
+
+
+_AMX: dict[int, tuple[bool, int]] = {}  # id(library) -> (AMX-INT8 path wanted, the fewest rows it takes; 0: off)
+
+
+def _sync_amx(lib: ctypes.CDLL) -> int:
+    """Switches ``lib``'s AMX-INT8 integer sums (``int4_gemv_bf16`` calls of a few rows or more: the same bits as its
+    VNNI loop) on where the AMX library runs (it holds the process's tile state) and the active ``KernelConfig`` lets
+    linears use AMX (``amx_linear``); only a library built for level ``amx`` on a CPU with AMX-INT8 has that path.
+    Returns the fewest rows a call needs to take it (0: off)."""
+    want = kernels.config().amx_linear and kernels.lib("amx") is not None
+    state = _AMX.get(id(lib))
+    if state is None or state[0] != want:
+        state = _AMX[id(lib)] = (want, lib.int4_gemv_use_amx(int(want)))
+    return state[1]
+
+
+def int4_gemv_amx_min_rows() -> int:
+    """The fewest rows of an ``int4_gemv_bf16`` call that run on AMX-INT8 tiles here (0: none do)."""
+    lib = get_lib()
+    return _sync_amx(lib) if lib is not None else 0
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
