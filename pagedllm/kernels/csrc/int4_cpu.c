@@ -17,6 +17,8 @@
 #endif
 #include <string.h>
 
+#include <omp.h>
+
 #include "pagedllm_kernels.h"
 #include "simd.h"
 
@@ -779,16 +781,28 @@ static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint8_t *pa
 #ifdef GEMV_AMX
     if (g_int4_amx && M >= GEMV_AMX_MIN_ROWS && G % 32 == 0) { /* the same sums on AMX tiles (amx_block) */
         const int kc = G % 64 == 0 ? 64 : 32;
+        /* work units: (block, chunk of rows in 16s); rows are cut only to even out the threads' shares of a few
+         * blocks (SmolLM2's 576 columns: 9 blocks, 5 and 4 on 2 threads), as each chunk expands the codes again */
+        const int nthr = omp_get_max_threads();
+        const int64_t mb = (M + 15) / 16;
+        int64_t nrc = 1;
+        while (nrc < mb && (nb * nrc) % nthr != 0 && nb * nrc < 8 * nthr) nrc++;
+        const int64_t rows_per = (mb + nrc - 1) / nrc * 16;
 #pragma omp parallel
         {
             uint8_t *wt = (uint8_t *)aligned_alloc(64, (size_t)(4 * G * 16));
-            float *y = (float *)aligned_alloc(64, sizeof(float) * (size_t)(M * 64));
+            float *y = (float *)aligned_alloc(64, sizeof(float) * (size_t)(rows_per * 64));
             int32_t *cb = (int32_t *)aligned_alloc(64, sizeof(int32_t) * 1024);
             int cur_rows = -1;
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < nb; b++)
-                amx_block(M, xq, xq + M * K, K, xs, xs + M * n_groups, n_groups, packed, sz, G, N_pad, b, n_out,
-                          (char *)out, F32, !A8, kc, wt, y, cb, &cur_rows);
+            for (int64_t u = 0; u < nb * nrc; u++) {
+                const int64_t b = u / nrc, m0 = (u % nrc) * rows_per;
+                if (m0 >= M) continue;
+                const int64_t mr = M - m0 < rows_per ? M - m0 : rows_per;
+                amx_block(mr, xq + m0 * K, xq + M * K + m0 * K, K, xs + m0 * n_groups, xs + M * n_groups + m0 * n_groups,
+                          n_groups, packed, sz, G, N_pad, b, n_out, (char *)out + m0 * n_out * (F32 ? 4 : 2), F32,
+                          !A8, kc, wt, y, cb, &cur_rows);
+            }
             if (cur_rows >= 0) _tile_release();
             free(wt);
             free(y);
