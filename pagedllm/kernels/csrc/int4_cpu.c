@@ -371,17 +371,33 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
  * Prefill rows may take 8-bit activations instead (int4_gemv_bf16_a8): xq = 128 q, q = rint(127 x / max|x|) per
  * group, so lo = 0 and LO = 0 skips its vpdpbusd (half the integer work); the epilogue is the same. */
 #define PF_FEATURES 64 /* prefetch distance in input features (x 32 bytes): 2 KB ahead (~10% over none) */
-static inline __attribute__((always_inline)) void gemv_block(
-    const int MR, const int8_t *xhi, const int8_t *xlo, int64_t K, const float *xscale, const float *xsum,
-    int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out,
-    void *out, const int F32, const int LO) {
-    /* lane r of rows 0..15: bytes (a[r], a[32 + r], b[r], b[32 + r]) of (a, b) = features (k, k + 1), (k + 2, k + 3) */
+
+/* The codes of features k .. k + 3 of block b (pb: its pack) for the block's 64 weight rows: w[i] lane r holds the 4
+ * codes of row 16 i + r (rows 0..31: low nibbles, 32..63: high), as vpdpbusd (and an AMX-INT8 B tile row) reads them:
+ * lane r of rows 0..15 = bytes (a[r], a[32 + r], b[r], b[32 + r]) of (a, b) = features (k, k + 1), (k + 2, k + 3). */
+static inline __attribute__((always_inline)) void expand_codes(const uint8_t *pb, int64_t k, __m512i w[4]) {
     const __m512i idx0 = _mm512_set_epi8(
         111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12, 107, 75, 43, 11, 106, 74, 42, 10,
         105, 73, 41, 9, 104, 72, 40, 8, 103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
         99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
     const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi8(16)); /* rows 16..31 */
     const __m512i m0f = _mm512_set1_epi8(0x0F);
+    _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
+    _mm_prefetch((const char *)(pb + (k + PF_FEATURES + 2) * 32), _MM_HINT_T0);
+    const __m512i va = _mm512_loadu_si512((const void *)(pb + k * 32));       /* features k, k + 1 */
+    const __m512i vb = _mm512_loadu_si512((const void *)(pb + (k + 2) * 32)); /* features k + 2, k + 3 */
+    const __m512i la = _mm512_and_si512(va, m0f), lb = _mm512_and_si512(vb, m0f);
+    const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(va, 4), m0f);
+    const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(vb, 4), m0f);
+    w[0] = _mm512_permutex2var_epi8(la, idx0, lb);
+    w[1] = _mm512_permutex2var_epi8(la, idx1, lb);
+    w[2] = _mm512_permutex2var_epi8(ha, idx0, hb);
+    w[3] = _mm512_permutex2var_epi8(ha, idx1, hb);
+}
+static inline __attribute__((always_inline)) void gemv_block(
+    const int MR, const int8_t *xhi, const int8_t *xlo, int64_t K, const float *xscale, const float *xsum,
+    int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G, int64_t N_pad, int64_t b, int64_t n_out,
+    void *out, const int F32, const int LO) {
     const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
     float y[2][64] __attribute__((aligned(64))) = {{0}};
     const uint8_t *pb = packed + b * K * 32;
@@ -393,15 +409,8 @@ static inline __attribute__((always_inline)) void gemv_block(
         if (g + 1 < n_groups) /* the next group's scales: a separate stream the hardware prefetcher does not follow */
             for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
         for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-            _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(pb + (k + PF_FEATURES + 2) * 32), _MM_HINT_T0);
-            const __m512i va = _mm512_loadu_si512((const void *)(pb + k * 32));       /* features k, k + 1 */
-            const __m512i vb = _mm512_loadu_si512((const void *)(pb + (k + 2) * 32)); /* features k + 2, k + 3 */
-            const __m512i la = _mm512_and_si512(va, m0f), lb = _mm512_and_si512(vb, m0f);
-            const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(va, 4), m0f);
-            const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(vb, 4), m0f);
-            const __m512i w[4] = {_mm512_permutex2var_epi8(la, idx0, lb), _mm512_permutex2var_epi8(la, idx1, lb),
-                                  _mm512_permutex2var_epi8(ha, idx0, hb), _mm512_permutex2var_epi8(ha, idx1, hb)};
+            __m512i w[4];
+            expand_codes(pb, k, w);
 #pragma GCC unroll 2
             for (int r = 0; r < MR; r++) {
                 int32_t qh, ql = 0;
@@ -484,12 +493,6 @@ static void amx_block(int64_t M, const int8_t *xhi, const int8_t *xlo, int64_t K
                       const float *xsum, int64_t n_groups, const uint8_t *packed, const uint16_t *sz, int64_t G,
                       int64_t N_pad, int64_t b, int64_t n_out, void *out, const int F32, const int LO, int kc,
                       uint8_t *wt, float *y, int32_t *cb, int *cur_rows) {
-    const __m512i idx0 = _mm512_set_epi8(
-        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12, 107, 75, 43, 11, 106, 74, 42, 10,
-        105, 73, 41, 9, 104, 72, 40, 8, 103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
-        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
-    const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi8(16));
-    const __m512i m0f = _mm512_set1_epi8(0x0F);
     const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
     const uint8_t *pb = packed + b * K * 32;
     const int64_t nchunk = G / kc, trows = kc / 4; /* tile products a group; B tile rows */
@@ -497,19 +500,11 @@ static void amx_block(int64_t M, const int8_t *xhi, const int8_t *xlo, int64_t K
     for (int64_t g = 0; g < n_groups; g++) {
         /* the group's codes as B tiles: wt[c][q] (chunk c, column quarter q) = trows rows of 64 bytes */
         for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-            _mm_prefetch((const char *)(pb + (k + PF_FEATURES) * 32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(pb + (k + PF_FEATURES + 2) * 32), _MM_HINT_T0);
-            const __m512i va = _mm512_loadu_si512((const void *)(pb + k * 32));
-            const __m512i vb = _mm512_loadu_si512((const void *)(pb + (k + 2) * 32));
-            const __m512i la = _mm512_and_si512(va, m0f), lb = _mm512_and_si512(vb, m0f);
-            const __m512i ha = _mm512_and_si512(_mm512_srli_epi16(va, 4), m0f);
-            const __m512i hb = _mm512_and_si512(_mm512_srli_epi16(vb, 4), m0f);
+            __m512i w[4];
+            expand_codes(pb, k, w);
             const int64_t kk = k - g * G, c = kk / kc, r = kk % kc / 4;
             uint8_t *dst = wt + c * 4 * trows * 64 + r * 64;
-            _mm512_store_si512((void *)(dst), _mm512_permutex2var_epi8(la, idx0, lb));
-            _mm512_store_si512((void *)(dst + trows * 64), _mm512_permutex2var_epi8(la, idx1, lb));
-            _mm512_store_si512((void *)(dst + 2 * trows * 64), _mm512_permutex2var_epi8(ha, idx0, hb));
-            _mm512_store_si512((void *)(dst + 3 * trows * 64), _mm512_permutex2var_epi8(ha, idx1, hb));
+            for (int i = 0; i < 4; i++) _mm512_store_si512((void *)(dst + i * trows * 64), w[i]);
         }
         amx_fence(); /* the tile loads below read wt */
         const uint16_t *szg = sz + (g * N_pad + 64 * b) * 2;
@@ -556,10 +551,9 @@ static void amx_block(int64_t M, const int8_t *xhi, const int8_t *xlo, int64_t K
                     const __m512 xcb = _mm512_set1_ps(xscale[m * n_groups + g]);
                     for (int j = 0; j < 2; j++) {
                         const int i = 2 * h + j;
-                        __m512i hv = _mm512_load_si512((const void *)(cb + j * 256 + r * 16));
-                        __m512i dv = _mm512_slli_epi32(hv, 7);
-                        if (LO) dv = _mm512_add_epi32(dv, _mm512_load_si512((const void *)(cb + 512 + j * 256 + r * 16)));
-                        else dv = _mm512_add_epi32(dv, _mm512_setzero_si512());
+                        __m512i dv = _mm512_slli_epi32(_mm512_load_si512((const void *)(cb + j * 256 + r * 16)), 7);
+                        if (LO) /* 8-bit rows: lo = 0 */
+                            dv = _mm512_add_epi32(dv, _mm512_load_si512((const void *)(cb + 512 + j * 256 + r * 16)));
                         const __m512 dot = _mm512_cvtepi32_ps(dv);
                         float *yp = y + m * 64 + 16 * i;
                         __m512 acc = _mm512_fmadd_ps(zc[i], xsb, _mm512_load_ps(yp));
