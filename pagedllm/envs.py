@@ -34,6 +34,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("PAGEDLLM_HUGEPAGES", "0", "1: KV caches in one huge-page-advised mapping (Linux)."),
     EnvVar("PAGEDLLM_WEIGHT_HUGEPAGES", "1", "0: GGUF K-quant weights in ordinary pages instead of huge-page-advised "
            "mappings (Linux)."),
+    EnvVar("PAGEDLLM_MALLOC_KEEP", "1", "0: leave glibc's malloc thresholds as they are (by default, once the model "
+           "is loaded, blocks up to 64 MiB come from the heap and up to 256 MiB of freed heap is kept, so a step's "
+           "activations reuse memory instead of new zeroed pages)."),
     EnvVar("PAGEDLLM_BATCH_INVARIANT", "1",
            "0: let kernels choose their algorithm by the number of rows of a call (faster int4/int8 at some batch "
            "sizes, but a request's greedy output may then depend on the requests batched with it)."),

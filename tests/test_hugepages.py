@@ -3,6 +3,8 @@
 import dataclasses
 import gc
 import mmap
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,3 +102,60 @@ def test_weight_empty_uses_the_arena_only_inside_weight_arena_and_when_on():
     assert "hg" not in _vm_flags(plain.data_ptr()) and plain.numel() == 3 * HUGE_PAGE
     outside = weight_empty(3 * HUGE_PAGE)  # no arena active: torch.empty
     assert "hg" not in _vm_flags(outside.data_ptr())
+
+
+_HEAP_PROBE = r"""
+import sys, torch
+from pagedllm.utils.malloc import keep_step_memory
+
+def on_heap(t):
+    a = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= a < hi:
+                return line.rstrip().endswith("[heap]")
+    return False
+
+n = 40 << 20
+before = on_heap(torch.empty(n, dtype=torch.uint8))
+ok = keep_step_memory()
+after = on_heap(torch.empty(n, dtype=torch.uint8))
+print(int(before), int(ok), int(after))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt (Linux)")
+def test_keep_step_memory_serves_a_step_s_large_blocks_from_the_heap():
+    """``keep_step_memory`` (``pagedllm.utils.malloc``): a 40 MiB block, a fresh ``mmap`` under glibc's defaults (its
+    pages faulted in and zeroed again on every step), comes from the heap once the thresholds are set. In a fresh
+    interpreter, as the engine sets them once per process."""
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, ok, after = (int(x) for x in out.stdout.split()[-3:])
+    if not ok:
+        pytest.skip("this C library has no mallopt (not glibc)")
+    assert (before, after) == (0, 1)
+
+
+def test_engine_sets_the_malloc_thresholds_unless_switched_off(monkeypatch, tmp_path):
+    """The model runner calls ``keep_step_memory`` once it is built, unless ``KernelConfig.malloc_keep`` is off
+    (``PAGEDLLM_MALLOC_KEEP=0``)."""
+    transformers = pytest.importorskip("transformers")
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.kernels.config import KernelConfig
+    from pagedllm.worker import model_runner
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    calls = []
+    monkeypatch.setattr(model_runner, "keep_step_memory", lambda: calls.append(1) or True)
+    for env, want in (("1", [1]), ("0", [])):
+        monkeypatch.setenv("PAGEDLLM_MALLOC_KEEP", env)
+        assert KernelConfig.from_env().malloc_keep == (env == "1")
+        calls.clear()
+        LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
+            kv_cache_memory_bytes=1 << 20)
+        assert calls == want, env

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention.torch_attn import AttentionMetadata, DecodeBatch, build_attention_metadata
 from pagedllm.config import EngineConfig
 from pagedllm.core.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -35,6 +36,7 @@ from pagedllm.spec_decode.drafter import make_drafter
 from pagedllm.spec_decode.verify import GeneratorRewind, accept, verify_rows
 from pagedllm.structured_output import apply_grammar_bitmask
 from pagedllm.utils.hugepages import zeros_in_hugepages
+from pagedllm.utils.malloc import keep_step_memory
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +162,8 @@ class ModelRunner:
         self.drafter = make_drafter(spec_cfg, self, draft_model) if spec_cfg is not None else None
         self._draft_blocks = getattr(self.drafter, "mirrors", False)  # a drafter tracking its K/V per block
         self.spec_costs = StepCosts()
+        if kernels.config().malloc_keep:  # the weights and KV caches are in memory: steps reuse what they free
+            keep_step_memory()
 
     # ------------------------------------------------------------------ state updates
     def _update_states(self, sched: SchedulerOutput) -> None:
