@@ -298,6 +298,33 @@ def test_int4_gemv_amx_int8_gives_the_vnni_bits():
                 assert torch.equal(y, want), (g, m, dtype, bits)
 
 
+@pytest.mark.parametrize("slab_weights", [1 << 21, 64 * 256])
+def test_int4_silu_mul_equals_matmul_then_silu_and_mul(slab_weights, monkeypatch):
+    """An int4 SwiGLU gate_up in a step with prefill rows on AMX (``int4_silu_mul``: prefill rows through the AMX
+    GEMM's gated epilogue over the gated expansion, ``int4_dequant_packed_bf16`` layout 2; decode rows the integer
+    kernel then ``silu_and_mul``) gives the bits of ``int4_matmul`` then ``silu_and_mul``, in one slab or in slabs of
+    64 gate rows; None outside a step with prefill rows."""
+    from pagedllm.attention.cpu_kernels import silu_and_mul
+    from pagedllm.layers.quantization import kernels as K
+
+    if K.int4_prefill_backend(256) is None:
+        pytest.skip("the gated prefill path runs on AMX only")
+    monkeypatch.setattr(K, "INT4_PREFILL_SLAB_WEIGHTS", slab_weights)
+    torch.manual_seed(0)
+    inter, k = 192, 256
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(2 * inter, k), 32), torch.bfloat16)
+    args = (pk["packed"], pk["scales_and_zeros"], 32, 2 * inter)
+    for lens in ([1, 30, 1, 10], [1, 5, 1, 3, 1], [12]):
+        x = torch.randn(sum(lens), k).bfloat16()
+        with K.step_rows(lens):
+            fused = K.int4_silu_mul(x, *args)
+            want = silu_and_mul(K.int4_matmul(x, *args))
+        assert fused is not None and torch.equal(fused, want), lens
+    with K.step_rows([1, 1]):
+        assert K.int4_silu_mul(x[:2], *args) is None  # decode rows only: the caller's two calls
+    assert K.int4_silu_mul(x, *args) is None  # outside a step
+
+
 @pytest.mark.parametrize("lens", [[1, 40, 1], [1, 3, 1, 1, 2], [7], [2, 1, 1]])
 def test_by_row_kind_gives_each_row_its_kind_s_function(lens):
     """``by_row_kind``: prefill rows get ``prefill``'s result and decode rows ``decode``'s, whether it recomputes a few

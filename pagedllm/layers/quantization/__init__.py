@@ -148,6 +148,7 @@ def quantize_model(model: nn.Module, quant_config: QuantConfig) -> dict[str, nn.
                 sizes = getattr(child, "output_sizes", None)
                 replaced[id(child)] = QuantLinear(child.in_features, child.out_features, child.bias is not None,
                                                   child.weight.dtype, quant_config, sizes)
+                replaced[id(child)].silu_gated = getattr(child, "silu_gated", False)  # rows [gate; up] (SwiGLU)
             elif isinstance(child, nn.Embedding) and name == "embed_tokens" and quant_embedding:
                 replaced[id(child)] = QuantEmbedding(child.num_embeddings, child.embedding_dim, child.weight.dtype,
                                                      quant_config)

@@ -365,6 +365,70 @@ def int4_prefill_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: t
     return out
 
 
+def int4_prefill_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
+                          inter: int, found) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T) -> [T, inter]`` bf16 for an int4 SwiGLU gate_up pack (rows ``[gate; up]``, ``2
+    inter`` of them, ``inter % 64 == 0``), through the AMX GEMM of ``found`` (``int4_prefill_backend``) with its gated
+    epilogue (mode 2): slab by slab of gate rows, each expanded with its up rows into the gated packing
+    (``int4_dequant_packed_bf16`` layout 2). The mode rounds gate, up, silu(gate) and the product to bf16 as
+    ``int4_prefill_bf16`` then ``silu_and_mul`` do, so the bits are theirs, without writing and reading back the
+    ``[T, 2 inter]`` product (SmolLM2 int4 prefill: ``silu_and_mul`` alone was ~6% of a step)."""
+    from pagedllm.layers.quantization import cpu_kernels
+
+    backend, kern, _ = found
+    lib = cpu_kernels.get_lib()
+    linear = getattr(kern, backend.linear)
+    m, k = x.shape
+    is_bf16 = int(scales_and_zeros.dtype == torch.bfloat16)
+    slab_rows = max(64, INT4_PREFILL_SLAB_WEIGHTS // (2 * k) // 64 * 64)
+    buf = torch.empty(2 * min(slab_rows, inter) * k, dtype=torch.bfloat16)
+    out = torch.empty(m, inter, dtype=torch.bfloat16)
+    for r0 in range(0, inter, slab_rows):
+        r1 = min(inter, r0 + slab_rows)
+        rc = lib.int4_dequant_packed_bf16(packed.data_ptr(), scales_and_zeros.data_ptr(), is_bf16, k, kernel_g,
+                                          2 * inter, r0 // 64, r1 // 64, 2, buf.data_ptr())
+        if rc != 0:
+            raise ValueError(f"int4_prefill_silu_mul: bad shape (inter {inter}, K {k}, group {kernel_g})")
+        if r0 == 0 and r1 == inter:
+            linear(x.data_ptr(), m, k, buf.data_ptr(), 2 * inter, None, out.data_ptr(), 2)
+        else:
+            y = torch.empty(m, r1 - r0, dtype=torch.bfloat16)
+            linear(x.data_ptr(), m, k, buf.data_ptr(), 2 * (r1 - r0), None, y.data_ptr(), 2)
+            out[:, r0:r1] = y
+    return out
+
+
+def int4_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int, n_out: int,
+                  layout: str = INT4_OURS) -> Optional[torch.Tensor]:
+    """``silu(gate) * up [T, n_out / 2]`` of an int4 SwiGLU gate_up layer (``x [T, K]`` bf16) in a step with prefill
+    rows on AMX: those through ``int4_prefill_silu_mul``, the decode rows as ``int4_matmul`` then ``silu_and_mul``
+    (``by_row_kind``), the bits of ``int4_matmul`` then ``silu_and_mul`` for every row. None where that path doesn't
+    apply (no prefill rows, below AMX, invariance off, a padded or odd shape): the caller then runs those two."""
+    from pagedllm import kernels
+    from pagedllm.attention.cpu_kernels import silu_and_mul
+    from pagedllm.layers.quantization import cpu_kernels
+
+    rows = getattr(_step, "rows", None)
+    t, k = x.shape if x.dim() == 2 else (0, 0)
+    inter = n_out // 2
+    if (rows is None or rows.prefill is None or rows.num_tokens != t or x.dtype != torch.bfloat16
+            or layout != INT4_OURS or packed.shape[0] != n_out or n_out % 128 or not kernels.config().batch_invariant
+            or cpu_kernels.get_lib() is None or not cpu_kernels.int4_gemv_supported()):
+        return None
+    found = int4_prefill_backend(k)
+    if found is None:
+        return None
+    x = x.contiguous()
+
+    def decode(xd: torch.Tensor) -> torch.Tensor:
+        gate_up = cpu_kernels.int4_gemv_bf16(xd, packed, scales_and_zeros, kernel_g, n_out)
+        act = silu_and_mul(gate_up)
+        return act if act is not None else F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    return by_row_kind(x, rows, lambda xp: int4_prefill_silu_mul(xp, packed, scales_and_zeros, kernel_g, inter, found),
+                       decode)
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
                 n_out: int, out_dtype: Optional[torch.dtype] = None, layout: str = INT4_OURS) -> torch.Tensor:
     """``x [T, K] @ w.T -> [T, n_out]`` in ``out_dtype`` (default x's dtype; float32 for logits).

@@ -22,6 +22,7 @@ from pagedllm.layers.quantization.kernels import (
     PackedInt4,
     int4_kernel_supports,
     int4_matmul,
+    int4_silu_mul,
     int8_logits,
     int8_matmul,
 )
@@ -146,6 +147,16 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def forward_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``silu(gate) * up`` ``[T, N / 2]`` of a SwiGLU gate_up layer (``silu_gated``: rows ``[gate; up]``) in one
+        pass where it has one: int4 prefill rows on AMX through the GEMM's gated epilogue (``int4_silu_mul``). None
+        otherwise (the caller runs ``forward``, then ``silu_and_mul``); the same bits either way."""
+        if (self.kind != "int4" or not getattr(self, "silu_gated", False) or self.perm is not None
+                or self.bias is not None):
+            return None
+        return int4_silu_mul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out,
+                             self._int4_layout)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # as an (untied) lm_head: [T, K] -> [T, N] float32
         if self.kind == "kquant":
