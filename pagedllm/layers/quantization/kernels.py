@@ -338,31 +338,7 @@ def int4_prefill_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: t
     (``int4_prefill_backend``): slab by slab of 64-row blocks, the weight expanded (``int4_expand``'s values, rounded
     once to bf16) into the kernel's layout and multiplied (float32 sums, one rounding). A row's result does not
     depend on the other rows (the backends are batch invariant). ``scales_and_zeros`` in bf16 or float32."""
-    from pagedllm.layers.quantization import cpu_kernels
-
-    backend, kern, layout = found
-    lib = cpu_kernels.get_lib()
-    linear = getattr(kern, backend.linear)
-    m, k = x.shape
-    n_pad = packed.shape[0]
-    is_bf16 = int(scales_and_zeros.dtype == torch.bfloat16)
-    slab_rows = max(64, INT4_PREFILL_SLAB_WEIGHTS // k // 64 * 64)
-    buf = torch.empty(min(slab_rows, n_pad) * k, dtype=torch.bfloat16)
-    out = torch.empty(m, n_out, dtype=torch.bfloat16)
-    for r0 in range(0, n_out, slab_rows):
-        r1 = min(n_pad, r0 + slab_rows)
-        rc = lib.int4_dequant_packed_bf16(packed.data_ptr(), scales_and_zeros.data_ptr(), is_bf16, k, kernel_g, n_pad,
-                                          r0 // 64, r1 // 64, layout, buf.data_ptr())
-        if rc != 0:
-            raise ValueError(f"int4_prefill_bf16: bad shape (N_pad {n_pad}, K {k}, group {kernel_g})")
-        if r0 == 0 and r1 == n_out:
-            linear(x.data_ptr(), m, k, buf.data_ptr(), r1, None, out.data_ptr(), 0)
-        else:
-            y = torch.empty(m, r1 - r0, dtype=torch.bfloat16)
-            linear(x.data_ptr(), m, k, buf.data_ptr(), r1 - r0, None, y.data_ptr(), 0)
-            c1 = min(r1, n_out)
-            out[:, r0:c1] = y[:, : c1 - r0]
-    return out
+    return _int4_prefill_slabs(x, packed, scales_and_zeros, kernel_g, n_out, found, gated=False)
 
 
 def int4_prefill_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
@@ -373,28 +349,40 @@ def int4_prefill_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zero
     (``int4_dequant_packed_bf16`` layout 2). The mode rounds gate, up, silu(gate) and the product to bf16 as
     ``int4_prefill_bf16`` then ``silu_and_mul`` do, so the bits are theirs, without writing and reading back the
     ``[T, 2 inter]`` product (SmolLM2 int4 prefill: ``silu_and_mul`` alone was ~6% of a step)."""
+    return _int4_prefill_slabs(x, packed, scales_and_zeros, kernel_g, inter, found, gated=True)
+
+
+def _int4_prefill_slabs(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
+                        n_cols: int, found, gated: bool) -> torch.Tensor:
+    """``[T, n_cols]``: the two functions above. Plain: the pack's rows (``packed.shape[0]``, a multiple of 64, the last
+    block maybe padded past ``n_cols``) slab by slab, mode 0. Gated: ``n_cols`` gate rows, each slab with its up rows
+    (layout 2), mode 2. Raises ``ValueError`` for a shape the expansion refuses."""
     from pagedllm.layers.quantization import cpu_kernels
 
-    backend, kern, _ = found
+    backend, kern, layout = found
     lib = cpu_kernels.get_lib()
     linear = getattr(kern, backend.linear)
     m, k = x.shape
+    n_pad = packed.shape[0]
     is_bf16 = int(scales_and_zeros.dtype == torch.bfloat16)
-    slab_rows = max(64, INT4_PREFILL_SLAB_WEIGHTS // (2 * k) // 64 * 64)
-    buf = torch.empty(2 * min(slab_rows, inter) * k, dtype=torch.bfloat16)
-    out = torch.empty(m, inter, dtype=torch.bfloat16)
-    for r0 in range(0, inter, slab_rows):
-        r1 = min(inter, r0 + slab_rows)
-        rc = lib.int4_dequant_packed_bf16(packed.data_ptr(), scales_and_zeros.data_ptr(), is_bf16, k, kernel_g,
-                                          2 * inter, r0 // 64, r1 // 64, 2, buf.data_ptr())
+    per_row = 2 if gated else 1  # weight rows expanded per row of the slab
+    layout, mode, n_src = (2, 2, n_cols) if gated else (layout, 0, n_pad)
+    slab_rows = max(64, INT4_PREFILL_SLAB_WEIGHTS // (per_row * k) // 64 * 64)
+    buf = torch.empty(per_row * min(slab_rows, n_src) * k, dtype=torch.bfloat16)
+    out = torch.empty(m, n_cols, dtype=torch.bfloat16)
+    for r0 in range(0, n_cols, slab_rows):
+        r1 = min(n_src, r0 + slab_rows)
+        rc = lib.int4_dequant_packed_bf16(packed.data_ptr(), scales_and_zeros.data_ptr(), is_bf16, k, kernel_g, n_pad,
+                                          r0 // 64, r1 // 64, layout, buf.data_ptr())
         if rc != 0:
-            raise ValueError(f"int4_prefill_silu_mul: bad shape (inter {inter}, K {k}, group {kernel_g})")
-        if r0 == 0 and r1 == inter:
-            linear(x.data_ptr(), m, k, buf.data_ptr(), 2 * inter, None, out.data_ptr(), 2)
+            raise ValueError(f"int4 prefill: bad shape (N_pad {n_pad}, K {k}, group {kernel_g}, gated {gated})")
+        if r0 == 0 and r1 == n_cols:
+            linear(x.data_ptr(), m, k, buf.data_ptr(), per_row * r1, None, out.data_ptr(), mode)
         else:
             y = torch.empty(m, r1 - r0, dtype=torch.bfloat16)
-            linear(x.data_ptr(), m, k, buf.data_ptr(), 2 * (r1 - r0), None, y.data_ptr(), 2)
-            out[:, r0:r1] = y
+            linear(x.data_ptr(), m, k, buf.data_ptr(), per_row * (r1 - r0), None, y.data_ptr(), mode)
+            c1 = min(r1, n_cols)
+            out[:, r0:c1] = y[:, : c1 - r0]
     return out
 
 
