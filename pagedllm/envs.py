@@ -47,8 +47,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("PAGEDLLM_KQUANT_PREFILL_ACT_BITS", "8",
            "The same for prefill rows (where the level has no bf16 tile path): 8 (1.2x faster prefill on AVX2) or 16."),
     EnvVar("PAGEDLLM_INT4_PREFILL", "auto",
-           "int4 layers' prefill rows below level amx: float (float32 tiles), int16 (integer dots, 15-bit "
-           "activations), int8 (8-bit activations: faster with VNNI, llama.cpp's activation error), or auto (int16)."),
+           "int4 layers' prefill rows below level amx: bf16 (weights expanded to bf16 for our packed bf16 GEMM), "
+           "float (float32 tiles), int16 (integer dots, 15-bit activations), int8 (8-bit activations, llama.cpp's "
+           "activation error), or auto (bf16 at avx512_bf16, int16 below)."),
     # Files and tools.
     EnvVar("PAGEDLLM_CACHE_DIR", None, "Folder for assembled model files and built kernels (default ~/.cache/pagedllm)."),
     EnvVar("PAGEDLLM_TOKENIZER_CACHE", "1", "0: don't keep converted GGUF tokenizers on disk."),

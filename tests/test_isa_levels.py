@@ -317,9 +317,11 @@ def test_kquant_activation_widths_resolve_and_are_checked(monkeypatch):
             KernelConfig.from_env("none")
     with pytest.raises(ValueError, match="kquant_prefill_act_bits"):
         KernelConfig(kquant_prefill_act_bits=12)
-    # int4 prefill rows below AMX: auto is the 15-bit integer kernel
+    # int4 prefill rows below AMX: auto is the dpbf16 GEMM at avx512_bf16, the 15-bit integer kernel below
     monkeypatch.delenv("PAGEDLLM_KQUANT_ACT_BITS")
-    assert KernelConfig(level="avx512_bf16").int4_prefill_kernel == "int16"
+    assert KernelConfig(level="avx512_bf16").int4_prefill_kernel == "bf16"
+    assert KernelConfig(level="avx2").int4_prefill_kernel == "int16"
+    assert KernelConfig(level="avx2", int4_prefill="bf16").int4_prefill_kernel == "bf16"
     assert KernelConfig(level="avx2", int4_prefill="float").int4_prefill_kernel == "float"
     assert KernelConfig(level="avx2", int4_prefill="int8").int4_prefill_kernel == "int8"
     monkeypatch.setenv("PAGEDLLM_INT4_PREFILL", "int8")

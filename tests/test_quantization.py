@@ -233,6 +233,7 @@ def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
     """Batch invariant: in a step marked by ``step_rows``, decode rows run on the integer-dot kernel (15-bit
     activations) and prefill rows on AMX tiles or, below AMX, ``KernelConfig.int4_prefill_kernel``, so each
     row's bits are those it gets alone (a 1-token decode step, or its prompt alone)."""
+    from pagedllm.layers.packed_linear import linear_backend
     from pagedllm.layers.quantization import cpu_kernels
     from pagedllm.layers.quantization import kernels as K
 
@@ -255,14 +256,19 @@ def test_int4_rows_take_their_kernel_by_kind_not_by_batch():
             s0 += q
         with K.step_rows([1] * len(x)):
             assert torch.equal(mm(x)[0], y[0])  # a decode row among others
-        if K.int4_prefill_backend(256) is None:  # below AMX: a prefill row is int4_prefill_kernel's
-            for kind in ("float", "int16", "int8"):
+        if kernels.config().level != "amx":  # below AMX: a prefill row is int4_prefill_kernel's
+            for kind in ("bf16", "float", "int16", "int8"):
                 with kernels.use(dataclasses.replace(kernels.config(), int4_prefill=kind)):
+                    found = K.int4_prefill_backend(256)
+                    assert (found is not None) == (kind == "bf16" and linear_backend(32, 32) is not None), kind
                     with K.step_rows(lens):
                         y = mm(x)
                 args = (x[1:1 + lens[1]].contiguous(), pk["packed"], pk["scales_and_zeros"], 32, 200)
-                want = cpu_kernels.int4_gemm(*args) if kind == "float" else cpu_kernels.int4_gemv_bf16(
-                    *args, torch.bfloat16, 8 if kind == "int8" else 16)
+                if kind == "bf16" and found is None:
+                    continue  # no packed bf16 GEMM at this level: the integer kernel took it (checked above)
+                want = (K.int4_prefill_bf16(*args, found) if kind == "bf16" else cpu_kernels.int4_gemm(*args)
+                        if kind == "float" else cpu_kernels.int4_gemv_bf16(*args, torch.bfloat16,
+                                                                            8 if kind == "int8" else 16))
                 assert torch.equal(y[1:1 + lens[1]], want), (lens, kind)
                 assert torch.equal(y[0], cpu_kernels.int4_gemv_bf16(x[0:1], pk["packed"], pk["scales_and_zeros"],
                                                                     32, 200)[0]), (lens, kind)
@@ -300,15 +306,22 @@ def test_int4_gemv_amx_int8_gives_the_vnni_bits():
 
 @pytest.mark.parametrize("slab_weights", [1 << 21, 64 * 256])
 def test_int4_silu_mul_equals_matmul_then_silu_and_mul(slab_weights, monkeypatch):
-    """An int4 SwiGLU gate_up in a step with prefill rows on AMX (``int4_silu_mul``: prefill rows through the AMX
-    GEMM's gated epilogue over the gated expansion, ``int4_dequant_packed_bf16`` layout 2; decode rows the integer
-    kernel then ``silu_and_mul``) gives the bits of ``int4_matmul`` then ``silu_and_mul``, in one slab or in slabs of
-    64 gate rows; None outside a step with prefill rows."""
+    """An int4 SwiGLU gate_up in a step with prefill rows on a packed bf16 GEMM (``int4_silu_mul``: prefill rows
+    through the AMX or dpbf16 GEMM's gated epilogue over the gated expansion, ``int4_dequant_packed_bf16`` layout 2 or
+    3; decode rows the integer kernel then ``silu_and_mul``) gives the bits of ``int4_matmul`` then ``silu_and_mul``,
+    in one slab or in slabs of 64 gate rows; None outside a step with prefill rows. Below AMX with the ``bf16``
+    prefill kind (the default at avx512_bf16; forced here, so the avx2 build's dpbf16 runs it too)."""
+    cfg = kernels.config()
+    with kernels.use(cfg if cfg.level == "amx" else dataclasses.replace(cfg, int4_prefill="bf16")):
+        _int4_silu_mul_case(slab_weights, monkeypatch)
+
+
+def _int4_silu_mul_case(slab_weights, monkeypatch):
     from pagedllm.attention.cpu_kernels import silu_and_mul
     from pagedllm.layers.quantization import kernels as K
 
     if K.int4_prefill_backend(256) is None:
-        pytest.skip("the gated prefill path runs on AMX only")
+        pytest.skip("no packed bf16 GEMM at this level")
     monkeypatch.setattr(K, "INT4_PREFILL_SLAB_WEIGHTS", slab_weights)
     torch.manual_seed(0)
     inter, k = 192, 256
@@ -388,7 +401,7 @@ def test_int4_prefill_bf16_is_the_expanded_weight_through_the_packed_gemm(layout
     with pytest.raises(ValueError, match="bad shape"):
         K.int4_prefill_bf16(x[:, :1000].contiguous(), packed[:, :500].contiguous(), sz[:31].contiguous(), g, n,
                             found)
-    if layout == 0 and K.int4_prefill_backend(k) is not None:
+    if K.int4_prefill_backend(k) == found:
         with K.step_rows([45]):
             assert torch.equal(K.int4_matmul(x, packed, sz, g, n), y)
 

@@ -92,7 +92,7 @@ def check_level(requested: Optional[str], flags: Optional[frozenset] = None) -> 
     return requested
 
 
-INT4_PREFILL_KERNELS = ("auto", "float", "int16", "int8")
+INT4_PREFILL_KERNELS = ("auto", "bf16", "float", "int16", "int8")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class KernelConfig:
     batch_invariant: bool = True
     kquant_act_bits: int = 16  # 8 or 16: activations of the GGUF integer matmuls' decode rows (and unmarked calls)
     kquant_prefill_act_bits: int = 8  # the same for prefill rows (``step_rows``)
-    int4_prefill: str = "auto"  # int4 prefill rows below AMX: auto, float, int16, int8 (``int4_prefill_kernel``)
+    int4_prefill: str = "auto"  # int4 prefill rows below AMX: auto, bf16, float, int16, int8 (``int4_prefill_kernel``)
 
     def __post_init__(self) -> None:
         for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
@@ -127,15 +127,17 @@ class KernelConfig:
 
     @property
     def int4_prefill_kernel(self) -> str:
-        """What runs int4 layers' prefill rows where no AMX tile path does: ``float`` (``int4_gemm``: the weight
-        expanded to float32 tiles, bf16 activations exact), ``int16`` / ``int8`` (the integer-dot kernel with
-        15-bit / 8-bit activations; 8-bit adds llama.cpp's activation error, up to max|x| / 254 per group).
-        ``auto`` is ``int16``: on a Xeon with AMX capped to each level (2 threads), at ``avx2`` its ``vpmaddwd``
-        kernel was 1.24-1.35x ``int4_gemm`` at 512 rows (SmolLM2 int4 TTFT at 1,024 tokens 2.2 -> 1.8 s); at
-        ``avx512_bf16`` the two were even end to end (1.41-1.68 vs 1.47-1.60 s; 15-bit ``vpdpbusd`` 0.9-1.15x per
-        layer), where a Zen 4's one 512-bit FMA a cycle against one ``vpdpbusd`` (64 products) should favour it;
-        ``int8`` was 1.3-1.4x there, but at 3x the teacher-forced logprob error that bf16 alone adds."""
-        return "int16" if self.int4_prefill == "auto" else self.int4_prefill
+        """What runs int4 layers' prefill rows where no AMX tile path does: ``bf16`` (the weight expanded slab by slab
+        to bf16 in the packed layout of our bf16 GEMM, dpbf16 below AMX, bf16 activations exact; as AMX does),
+        ``float`` (``int4_gemm``: the weight expanded to float32 tiles), ``int16`` / ``int8`` (the integer-dot kernel
+        with 15-bit / 8-bit activations; 8-bit adds llama.cpp's activation error, up to max|x| / 254 per group).
+        ``auto``: ``bf16`` at ``avx512_bf16`` (and ``amx``), ``int16`` below. Measured on an AMD EPYC Zen 4 (2 threads,
+        SmolLM2's four int4 layer shapes at 512 rows, expansion included): bf16 4.2 ms (858 GFLOP/s), int8 4.8, int16
+        9.2, float 11.7; on a Xeon capped at ``avx512_bf16`` (VDPBF16PS one per 2 cycles there) bf16 and int16 were
+        even. At ``avx2`` the ``vpmaddwd`` kernel was 1.24-1.35x ``int4_gemm`` at 512 rows (Zen 3)."""
+        if self.int4_prefill != "auto":
+            return self.int4_prefill
+        return "bf16" if level_at_least(self.level, "avx512_bf16") else "int16"
 
     @property
     def native(self) -> bool:

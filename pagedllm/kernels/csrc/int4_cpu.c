@@ -220,13 +220,16 @@ void int4_expand(const uint8_t *packed, const void *sz, int64_t K, int64_t G, in
  * 16 pair-rows of 16 rows x 2 inputs (the layouts kq_dequant_packed_bf16 writes). Layout 2: amx_pack's gated
  * packing of a SwiGLU gate_up pack (rows [gate; up], N_pad = 2 I, I % 64 == 0): blocks b0 .. b1 - 1 of the gate
  * half with the same blocks of the up half (I / 64 blocks on), 2 x 64 (b1 - b0) rows, each 32-row group holding 16
- * gate rows then the 16 matching up rows, for amx_linear_bf16 mode 2 (silu(gate) * up). Feeds prefill rows to the
- * packed bf16 GEMM without a dense copy of the weight. Returns 0, or -1 for a bad layout, block range or K. */
+ * gate rows then the 16 matching up rows, for amx_linear_bf16 mode 2 (silu(gate) * up). Layout 3: the same rows in
+ * the same order (16 gate rows, their 16 up rows, ...) in dpbf16_pack's layout, for dpbf16_linear_bf16 mode 2: gate
+ * tile t of block b0 + bl (16-row chunk j = 4 bl + t) is vector 2 (j % 2) of output block j / 2, its up tile the next
+ * vector. Feeds prefill rows to the packed bf16 GEMM without a dense copy of the weight. Returns 0, or -1 for a bad
+ * layout, block range or K. */
 int int4_dequant_packed_bf16(const uint8_t *packed, const void *sz, int is_bf16, int64_t K, int64_t G, int64_t N_pad,
                              int64_t b0, int64_t b1, int layout, uint16_t *P) {
-    const int gated = layout == 2;
+    const int gated = layout == 2 || layout == 3;
     const int64_t n_src = gated ? N_pad / 2 : N_pad; /* rows the block range indexes */
-    if (layout < 0 || layout > 2 || b0 < 0 || b1 <= b0 || 64 * b1 > n_src || K % 32 || G % 32 ||
+    if (layout < 0 || layout > 3 || b0 < 0 || b1 <= b0 || 64 * b1 > n_src || K % 32 || G % 32 ||
         (gated && N_pad % 128))
         return -1;
     const int64_t KB = K / 32, halves = gated ? 2 : 1;
@@ -239,10 +242,11 @@ int int4_dequant_packed_bf16(const uint8_t *packed, const void *sz, int is_bf16,
             expand_tile(packed, sz, is_bf16, K, G, N_pad, b0 + bl + half * (N_pad / 128), 32 * gi, tile);
             for (int t = 0; t < 4; t++) { /* the block's 16-row tiles */
                 const int64_t tl = 4 * bl + t;
-                uint16_t *dst = gated         ? P + (tl * KB + gi) * 1024 + half * 512
+                uint16_t *dst = layout == 2   ? P + (tl * KB + gi) * 1024 + half * 512
+                                : layout == 3 ? P + 64 * (tl / 2) * K + ((16 * gi) * 4 + 2 * (tl % 2) + half) * 32
                                 : layout == 0 ? P + ((tl / 2) * KB + gi) * 1024 + (tl % 2) * 512
                                               : P + 64 * bl * K + ((16 * gi) * 4 + t) * 32;
-                const int64_t rstride = layout == 1 ? 128 : 32;
+                const int64_t rstride = layout == 1 || layout == 3 ? 128 : 32;
                 for (int r = 0; r < 16; r++)
                     for (int c = 0; c < 16; c++) {
                         dst[r * rstride + 2 * c] = f32_to_bf16(tile[2 * r][16 * t + c]);

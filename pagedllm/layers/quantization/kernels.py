@@ -315,12 +315,13 @@ INT4_PREFILL_SLAB_WEIGHTS = 1 << 21
 def int4_prefill_backend(k: int):
     """``(LinearBackend, its library, layout id)`` for the prefill rows of an int4 layer with ``k`` inputs
     (``int4_dequant_packed_bf16`` writes that backend's packed layout: 0 AMX, 1 dpbf16), or None: then prefill rows
-    take ``KernelConfig.int4_prefill_kernel`` (``int4_matmul``). Only on AMX: there it is 5-7x ``int4_gemm``'s float32
-    FMAs at 512 rows (SmolLM2's layers on a Xeon with AMX, 2 threads, expansion included: 960x576 2.1 -> 0.37 ms,
-    3072x576 5.9 -> 1.2 ms; Qwen 1.5B's 17920x1536 104 -> 21 ms) and even at 32 rows (0.41 -> 0.22 ms). The dpbf16
-    layout (1) is written too, but on that Xeon forced to avx512_bf16 dpbf16 was no faster than ``int4_gemm``
-    (3072x576 at 512 rows 7.4 vs 6.3 ms; the integer-dot kernel there: 7.3-7.9 on 15-bit activations, 4.7-4.9 on
-    8-bit; 17920x1536: dpbf16 110, ``int4_gemm`` 100-104, 15-bit 113, 8-bit 72-75)."""
+    take ``KernelConfig.int4_prefill_kernel`` (``int4_matmul``). On AMX always: there it is 5-7x ``int4_gemm``'s
+    float32 FMAs at 512 rows (SmolLM2's layers on a Xeon with AMX, 2 threads, expansion included: 960x576 2.1 -> 0.37
+    ms, 3072x576 5.9 -> 1.2 ms; Qwen 1.5B's 17920x1536 104 -> 21 ms) and even at 32 rows (0.41 -> 0.22 ms). Below AMX
+    the dpbf16 GEMM where ``int4_prefill_kernel`` is ``bf16`` (the default at ``avx512_bf16``): on an AMD EPYC Zen 4,
+    SmolLM2's four layer shapes at 512 rows took 4.2 ms there against 9.2 on the 15-bit integer kernel (a Xeon capped
+    at ``avx512_bf16``, whose VDPBF16PS runs at half a Zen 4's rate, had them even)."""
+    from pagedllm import kernels
     from pagedllm.layers.packed_linear import linear_backend
 
     if k % 32:
@@ -329,7 +330,11 @@ def int4_prefill_backend(k: int):
     if found is None:
         return None
     backend, kern = found
-    return (backend, kern, 0) if backend.name == "amx" else None
+    if backend.name == "amx":
+        return backend, kern, 0
+    if backend.name == "dpbf16" and kernels.config().int4_prefill_kernel == "bf16":
+        return backend, kern, 1
+    return None
 
 
 def int4_prefill_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
@@ -344,9 +349,9 @@ def int4_prefill_bf16(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: t
 def int4_prefill_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int,
                           inter: int, found) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T) -> [T, inter]`` bf16 for an int4 SwiGLU gate_up pack (rows ``[gate; up]``, ``2
-    inter`` of them, ``inter % 64 == 0``), through the AMX GEMM of ``found`` (``int4_prefill_backend``) with its gated
-    epilogue (mode 2): slab by slab of gate rows, each expanded with its up rows into the gated packing
-    (``int4_dequant_packed_bf16`` layout 2). The mode rounds gate, up, silu(gate) and the product to bf16 as
+    inter`` of them, ``inter % 64 == 0``), through the packed GEMM of ``found`` (``int4_prefill_backend``: AMX or
+    dpbf16) with its gated epilogue (mode 2): slab by slab of gate rows, each expanded with its up rows into the gated
+    packing (``int4_dequant_packed_bf16`` layout 2 for AMX, 3 for dpbf16). The mode rounds gate, up, silu(gate) and the product to bf16 as
     ``int4_prefill_bf16`` then ``silu_and_mul`` do, so the bits are theirs, without writing and reading back the
     ``[T, 2 inter]`` product (SmolLM2 int4 prefill: ``silu_and_mul`` alone was ~6% of a step)."""
     return _int4_prefill_slabs(x, packed, scales_and_zeros, kernel_g, inter, found, gated=True)
@@ -366,7 +371,7 @@ def _int4_prefill_slabs(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros:
     n_pad = packed.shape[0]
     is_bf16 = int(scales_and_zeros.dtype == torch.bfloat16)
     per_row = 2 if gated else 1  # weight rows expanded per row of the slab
-    layout, mode, n_src = (2, 2, n_cols) if gated else (layout, 0, n_pad)
+    layout, mode, n_src = (2 + layout, 2, n_cols) if gated else (layout, 0, n_pad)  # gated: 2 AMX's, 3 dpbf16's
     slab_rows = max(64, INT4_PREFILL_SLAB_WEIGHTS // (per_row * k) // 64 * 64)
     buf = torch.empty(per_row * min(slab_rows, n_src) * k, dtype=torch.bfloat16)
     out = torch.empty(m, n_cols, dtype=torch.bfloat16)
@@ -389,9 +394,9 @@ def _int4_prefill_slabs(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros:
 def int4_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int, n_out: int,
                   layout: str = INT4_OURS) -> Optional[torch.Tensor]:
     """``silu(gate) * up [T, n_out / 2]`` of an int4 SwiGLU gate_up layer (``x [T, K]`` bf16) in a step with prefill
-    rows on AMX: those through ``int4_prefill_silu_mul``, the decode rows as ``int4_matmul`` then ``silu_and_mul``
+    rows on a packed bf16 GEMM (``int4_prefill_backend``): those through ``int4_prefill_silu_mul``, the decode rows as ``int4_matmul`` then ``silu_and_mul``
     (``by_row_kind``), the bits of ``int4_matmul`` then ``silu_and_mul`` for every row. None where that path doesn't
-    apply (no prefill rows, below AMX, invariance off, a padded or odd shape): the caller then runs those two."""
+    apply (no prefill rows, no such GEMM, invariance off, a padded or odd shape): the caller then runs those two."""
     from pagedllm import kernels
     from pagedllm.attention.cpu_kernels import silu_and_mul
     from pagedllm.layers.quantization import cpu_kernels
@@ -424,9 +429,9 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     Batch invariant (``KernelConfig.batch_invariant``, the default): each row's kernel depends on the row, never on
     how many rows share the call, and both kernels' per-row arithmetic is independent of T. bf16 where the level has
     the integer-dot kernel: decode rows (and rows of unknown kind, e.g. logits) on it, prefill rows
-    (``step_rows``) on the packed bf16 GEMM over tiles expanded to bf16 where that runs AMX (``int4_prefill_bf16``),
-    else on ``KernelConfig.int4_prefill_kernel`` (by default the integer-dot kernel on 15-bit activations, as decode
-    rows); without the integer-dot kernel our C tile kernel (``int4_gemm``, float32 weights) for every row;
+    (``step_rows``) on the packed bf16 GEMM over tiles expanded to bf16 (``int4_prefill_bf16``) where that runs AMX,
+    or dpbf16 with ``KernelConfig.int4_prefill_kernel`` ``bf16`` (the default at ``avx512_bf16``), else on that
+    kind (by default the integer-dot kernel on 15-bit activations, as decode rows); without the integer-dot kernel our C tile kernel (``int4_gemm``, float32 weights) for every row;
     level ``none``: aten's op (not guaranteed invariant). With invariance off the path is picked by T
     (``INT4_GEMM_MIN_TOKENS``). ``layout``: the pack's (``PackedInt4.pack``); our kernels read only ``INT4_OURS``,
     aten's op only aten's own; a pack neither can read is expanded for a dense matmul.
