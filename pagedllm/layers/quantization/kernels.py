@@ -351,9 +351,10 @@ def int4_prefill_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zero
     """``silu(x @ gate.T) * (x @ up.T) -> [T, inter]`` bf16 for an int4 SwiGLU gate_up pack (rows ``[gate; up]``, ``2
     inter`` of them, ``inter % 64 == 0``), through the packed GEMM of ``found`` (``int4_prefill_backend``: AMX or
     dpbf16) with its gated epilogue (mode 2): slab by slab of gate rows, each expanded with its up rows into the gated
-    packing (``int4_dequant_packed_bf16`` layout 2 for AMX, 3 for dpbf16). The mode rounds gate, up, silu(gate) and the product to bf16 as
-    ``int4_prefill_bf16`` then ``silu_and_mul`` do, so the bits are theirs, without writing and reading back the
-    ``[T, 2 inter]`` product (SmolLM2 int4 prefill: ``silu_and_mul`` alone was ~6% of a step)."""
+    packing (``int4_dequant_packed_bf16`` layout 2 for AMX, 3 for dpbf16). The mode rounds gate, up, silu(gate) and
+    the product to bf16 as ``int4_prefill_bf16`` then ``silu_and_mul`` do, so the bits are theirs, without writing
+    and reading back the ``[T, 2 inter]`` product (SmolLM2 int4 prefill: ``silu_and_mul`` alone was ~6% of a
+    step)."""
     return _int4_prefill_slabs(x, packed, scales_and_zeros, kernel_g, inter, found, gated=True)
 
 
@@ -394,9 +395,10 @@ def _int4_prefill_slabs(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros:
 def int4_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_g: int, n_out: int,
                   layout: str = INT4_OURS) -> Optional[torch.Tensor]:
     """``silu(gate) * up [T, n_out / 2]`` of an int4 SwiGLU gate_up layer (``x [T, K]`` bf16) in a step with prefill
-    rows on a packed bf16 GEMM (``int4_prefill_backend``): those through ``int4_prefill_silu_mul``, the decode rows as ``int4_matmul`` then ``silu_and_mul``
-    (``by_row_kind``), the bits of ``int4_matmul`` then ``silu_and_mul`` for every row. None where that path doesn't
-    apply (no prefill rows, no such GEMM, invariance off, a padded or odd shape): the caller then runs those two."""
+    rows on a packed bf16 GEMM (``int4_prefill_backend``): those through ``int4_prefill_silu_mul``, the decode rows as
+    ``int4_matmul`` then ``silu_and_mul`` (``by_row_kind``), the bits of ``int4_matmul`` then ``silu_and_mul`` for
+    every row. None where that path doesn't apply (no prefill rows, no such GEMM, invariance off, a padded or odd
+    shape): the caller then runs those two."""
     from pagedllm import kernels
     from pagedllm.attention.cpu_kernels import silu_and_mul
     from pagedllm.layers.quantization import cpu_kernels
@@ -431,10 +433,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     the integer-dot kernel: decode rows (and rows of unknown kind, e.g. logits) on it, prefill rows
     (``step_rows``) on the packed bf16 GEMM over tiles expanded to bf16 (``int4_prefill_bf16``) where that runs AMX,
     or dpbf16 with ``KernelConfig.int4_prefill_kernel`` ``bf16`` (the default at ``avx512_bf16``), else on that
-    kind (by default the integer-dot kernel on 15-bit activations, as decode rows); without the integer-dot kernel our C tile kernel (``int4_gemm``, float32 weights) for every row;
-    level ``none``: aten's op (not guaranteed invariant). With invariance off the path is picked by T
-    (``INT4_GEMM_MIN_TOKENS``). ``layout``: the pack's (``PackedInt4.pack``); our kernels read only ``INT4_OURS``,
-    aten's op only aten's own; a pack neither can read is expanded for a dense matmul.
+    kind (by default the integer-dot kernel on 15-bit activations, as decode rows); without the integer-dot kernel
+    our C tile kernel (``int4_gemm``, float32 weights) for every row; level ``none``: aten's op (not guaranteed
+    invariant). With invariance off the path is picked by T (``INT4_GEMM_MIN_TOKENS``). ``layout``: the pack's
+    (``PackedInt4.pack``); our kernels read only ``INT4_OURS``, aten's op only aten's own; a pack neither can read is
+    expanded for a dense matmul.
     """
     from pagedllm import kernels
     from pagedllm.layers.quantization import cpu_kernels
