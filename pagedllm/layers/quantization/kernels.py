@@ -362,7 +362,7 @@ def _int4_prefill_slabs(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros:
                         n_cols: int, found, gated: bool) -> torch.Tensor:
     """``[T, n_cols]``: the two functions above. Plain: the pack's rows (``packed.shape[0]``, a multiple of 64, the last
     block maybe padded past ``n_cols``) slab by slab, mode 0. Gated: ``n_cols`` gate rows, each slab with its up rows
-    (layout 2), mode 2. Raises ``ValueError`` for a shape the expansion refuses."""
+    (layout 2 for AMX, 3 for dpbf16), mode 2. Raises ``ValueError`` for a shape the expansion refuses."""
     from pagedllm.layers.quantization import cpu_kernels
 
     backend, kern, layout = found

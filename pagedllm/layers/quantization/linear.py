@@ -150,8 +150,9 @@ class QuantLinear(nn.Module):
 
     def forward_silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` ``[T, N / 2]`` of a SwiGLU gate_up layer (``silu_gated``: rows ``[gate; up]``) in one
-        pass where it has one: int4 prefill rows on AMX through the GEMM's gated epilogue (``int4_silu_mul``). None
-        otherwise (the caller runs ``forward``, then ``silu_and_mul``); the same bits either way."""
+        pass where it has one: int4 prefill rows on a packed bf16 GEMM (AMX, or dpbf16 at ``avx512_bf16``) through its
+        gated epilogue (``int4_silu_mul``). None otherwise (the caller runs ``forward``, then ``silu_and_mul``); the
+        same bits either way."""
         if (self.kind != "int4" or not getattr(self, "silu_gated", False) or self.perm is not None
                 or self.bias is not None):
             return None
