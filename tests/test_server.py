@@ -87,6 +87,20 @@ def test_tokenize_detokenize(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
+def test_model_root_path_is_an_alias(server, client, model):
+    """The card's ``root`` (the model path the server was started with) names the model too, as in vLLM, where the
+    served name defaults to that path: ``vllm bench serve`` sends it to /tokenize. Responses report the served name;
+    another path is still a 404."""
+    root = httpx.get(server.url + "/v1/models").json()["data"][0]["root"]
+    assert root != model
+    r = httpx.post(server.url + "/tokenize", json={"model": root, "prompt": PROMPT, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["count"] > 0
+    c = client.completions.create(model=root, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert c.model == model and c.usage.completion_tokens == 2
+    bad = httpx.post(server.url + "/tokenize", json={"model": root + ".other", "prompt": PROMPT})
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "model"
+
+
 # ---------------------------------------------------------------------------------------------------- completions
 def test_completion_usage_and_finish_reason(server, client, model):
     n_prompt = _tokenize(server, prompt=PROMPT)
@@ -526,6 +540,31 @@ def test_continuous_usage_stats_in_every_chunk(server, model, path, body):
     assert prompt_tokens > 0 and all(u["prompt_tokens"] == prompt_tokens for u in usages)
     done = [u["completion_tokens"] for u in usages]
     assert done == sorted(done) and done[-1] == 6 and usages[-1]["total_tokens"] == prompt_tokens + 6
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_sends_a_chunk_for_a_token_that_completes_no_character(server, model, path):
+    """Greedy SmolLM2 continues these emoji with byte tokens, three per emoji, the first two of which complete no
+    character: each still gets its chunk (text ""), as in vLLM, so a client sees one chunk per token (vLLM's
+    ``bench serve`` counts chunks as tokens for ITL). Before, such tokens went out merged into the next chunk. The
+    text streamed is still the whole text."""
+    prompt = "Emoji: \U0001F600\U0001F603\U0001F604\U0001F601"
+    body = ({"prompt": prompt} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": prompt}]})
+    req = {"model": model, **body, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(server.url + path, json=req, timeout=120).json()["choices"][0]
+    r = httpx.post(server.url + path, timeout=120, json={
+        **req, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = [e for e in _sse_events(r.text) if e != "[DONE]" and e["choices"]]
+    key = "text" if path == "/v1/completions" else "content"
+    texts = [(e["choices"][0].get(key) if key == "text" else e["choices"][0]["delta"].get(key)) or "" for e in events]
+    done = [e["usage"]["completion_tokens"] for e in events]
+    stepped = [b - a for a, b in zip([0] + done, done) if b > a]  # chunks that carry new tokens
+    assert sum(stepped) == 12
+    assert "".join(texts) == (whole["text"] if key == "text" else whole["message"]["content"])
+    assert "\ufffd" not in "".join(texts)
+    empty = sum(1 for t, d, p in zip(texts, done, [0] + done) if not t and d > p)
+    assert len(stepped) >= 9 and empty >= 4, (texts, done)  # merged (the old way): at most 4 text chunks + end
 
 
 def test_stop_string_equal_to_hidden_special_token(server, model):

@@ -254,8 +254,8 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         yield chunk(c.index, delta, logprobs, finish, c.stop_reason)
                         continue
-                    if not c.text and c.finish_reason is None and logprobs is None:
-                        continue
+                    if not c.text and not c.token_ids and c.finish_reason is None and logprobs is None:
+                        continue  # nothing new (a token that completes no character yet: content "", as vLLM)
                     delta = {"content": c.text} if c.text or c.finish_reason is None else {}
                     yield chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)
             if req.include_usage:

@@ -223,6 +223,9 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
+        # The model's path as given at start-up (its card's ``root``) names it too: vLLM's served name defaults to
+        # that path, so clients written for vLLM send it (``vllm bench serve`` sends the card's root to /tokenize).
+        self.model_root = engine.config.model.model
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model.max_model_len
         self.limits = engine.input_processor.limits
@@ -252,9 +255,12 @@ class OpenAIServing:
         return streams
 
     def check_model(self, model: Optional[str]) -> str:
-        """Returns the model name to report. Raises 404 for a model this server doesn't serve."""
-        if model is None or model in self.served_model_names:
-            return model or self.model_name
+        """Returns the model name to report (the served name for ``None`` or the model's root path). Raises 404 for
+        a model this server doesn't serve."""
+        if model is None or model == self.model_root:
+            return self.model_name
+        if model in self.served_model_names:
+            return model
         raise OpenAIServingError(f"The model `{model}` does not exist.", 404, param="model",
                                  code="model_not_found")
 
