@@ -610,6 +610,28 @@ def test_compare_quantized_rows():
     assert row in table
 
 
+def test_compare_vllm_client_rows(tmp_path):
+    """The vclient section: ``vllm bench serve``'s saved result (its key names, per-request lists dropped) read as
+    one level of our client's JSON, so the ratio rows and the detail table take it; a rerun file in a compare folder
+    is read back as that section."""
+    raw = {"completed": 64, "failed": 0, "duration": 10.0, "request_throughput": 6.4, "output_throughput": 800.0,
+           "total_token_throughput": 1600.0, "ttfts": [0.1] * 64, "generated_texts": ["x"] * 64}
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        raw.update({f"mean_{m}_ms": 10.0, f"median_{m}_ms": 9.0, f"p99_{m}_ms": 30.0, f"std_{m}_ms": 1.0})
+    ours = C.vclient_result(raw, "vllm bench serve ...")
+    assert "ttfts" not in ours["levels"][0] and ours["levels"][0]["p99_itl_ms"] == 30.0
+    peer = C.vclient_result(dict(raw, output_throughput=400.0, median_ttft_ms=18.0, p99_itl_ms=15.0), "x")
+    runs = [C.Run("vclient", "pagedllm", "x", True, ours), C.Run("vclient", "vllm", "x", True, peer)]
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    vc = "serve random, vLLM's client (`vllm bench serve`)"
+    assert C.ratio(rows[f"{vc}: output tok/s"], "vllm") == pytest.approx(2.0)
+    assert C.ratio(rows[f"{vc}: median TTFT ms"], "vllm") == pytest.approx(2.0)
+    assert C.ratio(rows[f"{vc}: P99 ITL ms"], "vllm") == pytest.approx(0.5)
+    assert "Serving measured by vLLM's client" in C.detail_tables(runs)
+    (tmp_path / "vclient-pagedllm.json").write_text(json.dumps(ours))
+    assert [(r.section, r.engine) for r in C._runs_from_files(str(tmp_path))] == [("vclient", "pagedllm")]
+
+
 def test_gguf_bytes_per_token(tmp_path):
     """The quantized memory floor's bytes: every tensor but the embedding (one row a token), which counts whole
     where the LM head is tied to it."""

@@ -435,6 +435,59 @@ def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
     runs.append(_run_json("quant-floor", "matmul", cmd, out, ns.timeout, os.path.join(out_dir, "quant-floor.log")))
 
 
+VCLIENT_ENGINES = ("pagedllm", "vllm")
+# vLLM's client keeps only these of its result keys (its raw file, with every request's text, stays under raw/).
+_VCLIENT_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+                 "total_token_throughput", "total_input_tokens", "total_output_tokens", "max_concurrency")
+
+
+def run_vllm_client(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
+    """The ``vclient`` section (issue 17): the serving comparison measured with vLLM's own client, ``vllm bench
+    serve`` from the vLLM peer's venv, against our server (bf16) and vLLM's: its ``random`` dataset, 128 tokens in /
+    ``--serve-output-len`` out, ``--serve-num-prompts`` requests at ``--serve-concurrency``, completions, greedy, ignore_eos,
+    seed 0 (the same prompt texts for both servers). Its result is kept as one level of our own client's JSON
+    (``levels[0]``: mean/median/P99 TTFT, TPOT, ITL, E2E), so the tables read it alike."""
+    vbin, tok = P.vllm_bin(), P.hf_export_dir(_gguf(ns))
+    raw_dir = os.path.join(out_dir, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    for eng in VCLIENT_ENGINES:
+        if eng != "pagedllm" and eng not in ns.peers:
+            continue
+        if vbin is None or tok is None:
+            runs.append(Run("vclient", eng, "", error="vLLM's client: " + _missing_peer(ns, "vLLM")))
+            continue
+        srv = _start(ns, eng, out_dir, server_cmds, ("vclient",), runs)
+        if srv is None:
+            continue
+        try:
+            raw = os.path.join(raw_dir, f"vclient-{eng}.json")
+            cmd = [vbin, "bench", "serve", "--backend", "openai", "--base-url", srv.base_url,
+                   "--endpoint", "/v1/completions", "--tokenizer", tok, "--dataset-name", "random",
+                   "--random-input-len", "128", "--random-output-len", str(ns.serve_output_len),
+                   "--num-prompts", str(ns.serve_num_prompts), "--max-concurrency", str(ns.serve_concurrency),
+                   "--ignore-eos", "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                   "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", raw_dir,
+                   "--result-filename", os.path.basename(raw), "--label", PEER_NAMES[eng]]
+            run = _run_json("vclient", eng, cmd, raw, ns.timeout, os.path.join(out_dir, f"vclient-{eng}.log"),
+                            env=P.vllm_env())
+            if run.ok:
+                run.result = vclient_result(run.result, run.command)
+                with open(os.path.join(out_dir, f"vclient-{eng}.json"), "w") as f:
+                    json.dump(run.result, f, indent=1)
+            runs.append(run)
+        finally:
+            srv.stop()
+
+
+def vclient_result(raw: dict, command: str) -> dict:
+    """``vllm bench serve``'s saved result -> our client's JSON shape (one level; see ``run_vllm_client``)."""
+    level = {k: raw[k] for k in _VCLIENT_KEYS if k in raw}
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            level[f"{stat}_{m}_ms"] = raw.get(f"{stat}_{m}_ms")
+    return {"tool": "vllm bench serve", "command": command, "levels": [level]}
+
+
 def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
     for bs in (1, 32):
         out = os.path.join(out_dir, f"latency-bs{bs}.json")
@@ -499,6 +552,14 @@ def build_rows(runs: list[Run]) -> list[Row]:
                     {p: srv("serve", p, "p99_itl_ms") for p in peers}, ">= 1.0x vLLM (no worse)"))
     rows.append(Row("serve chat: mean TPOT ms", False, srv("serve", "pagedllm", "mean_tpot_ms"),
                     {p: srv("serve", p, "mean_tpot_ms") for p in peers}))
+
+    # Issue 17: the same comparison through vLLM's own client (``vllm bench serve``, its random dataset).
+    vc = "serve random, vLLM's client (`vllm bench serve`)"
+    for metric, key, higher, target in (("output tok/s", "output_throughput", True, ">= 1.3x vLLM"),
+                                        ("median TTFT ms", "median_ttft_ms", False, ">= 1.0x vLLM (no worse)"),
+                                        ("P99 ITL ms", "p99_itl_ms", False, ">= 1.0x vLLM (no worse)")):
+        rows.append(Row(f"{vc}: {metric}", higher, srv("vclient", "pagedllm", key),
+                        {"vllm": srv("vclient", "vllm", key)}, target))
 
     def single_tps(eng):
         t = srv("single", eng, "mean_tpot_ms")
@@ -718,6 +779,8 @@ def detail_tables(runs: list[Run]) -> str:
                        f"{r['tokens_per_second']:.1f} | {r['total_input_tokens']} | {r['total_output_tokens']} |")
     for section, title in (("serve", "Serving (`chat`, chat completions)"),
                            ("single", "Single stream (`random` 128 in, completions, concurrency 1)"),
+                           ("vclient", "Serving measured by vLLM's client (`vllm bench serve`, `random`, "
+                                       "completions)"),
                            ("structured", "Structured outputs (`json-schema`, every request constrained)"),
                            ("unconstrained", "The same `json-schema` requests unconstrained"),
                            ("structured-single", "Structured outputs, single stream (each schema new)"),
@@ -872,9 +935,11 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="Comma-separated peers to include (those not installed are reported and skipped).")
     p.add_argument("--sections", default="offline,serve,structured,engine",
                    help="Comma-separated: offline, serve, structured, engine, quantized (ours on the GGUF's "
-                        "quantized layers as stored vs llama.cpp), speculative (single stream with and without "
+                        "quantized layers as stored vs llama.cpp), vclient (the serving comparison measured by "
+                        "vLLM's own client, `vllm bench serve`, ours vs vLLM-CPU), speculative (single stream with "
+                        "and without "
                         "--speculative-config, ours vs vLLM-CPU and llama.cpp; its own block of RESULTS.md). The "
-                        "last two are not in the default set.")
+                        "last three are not in the default set.")
     p.add_argument("--model", default=None,
                    help="A real model by name (smollm2, qwen2.5-0.5b, qwen2.5-1.5b, gemma3-270m) or a GGUF path "
                         "(default: the bundled SmolLM2). vLLM and HF run its bf16 export under .peers/.")
@@ -909,7 +974,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 _FILE_SECTIONS = sorted(("offline", "serve", "single", "structured", "unconstrained", "structured-single",
                          "unconstrained-single", "quant-single", "quant-ttft1024", "quant-chat8", "quant-floor",
-                         "latency"),
+                         "latency", "vclient"),
                         key=len, reverse=True)
 
 
@@ -1018,6 +1083,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         run_serving(ns, out_dir, runs, server_cmds, structured="structured" in sections, serve="serve" in sections)
     if "quantized" in sections:
         run_quantized(ns, out_dir, runs, server_cmds)
+    if "vclient" in sections:
+        run_vllm_client(ns, out_dir, runs, server_cmds)
     if "engine" in sections:
         run_engine(ns, out_dir, runs)
     if "speculative" in sections:
