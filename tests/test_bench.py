@@ -402,6 +402,18 @@ def test_machine_info_names_the_level_the_runs_use(monkeypatch):
     assert info["isa_level"] == low and info["isa_level_cpu_best"] == detect_level()
 
 
+def test_cpu_generation_from_family_and_model():
+    """AMD's family/model ranges (a VM's model name may be just "AMD EPYC"); other vendors: unnamed."""
+    from pagedllm.benchmarks.peers import cpu_generation
+
+    amd = "AuthenticAMD"
+    assert cpu_generation(amd, 0x1A, 2) == "Zen 5"  # EPYC 9005 (Turin)
+    assert cpu_generation(amd, 0x19, 0x11) == "Zen 4" and cpu_generation(amd, 0x19, 0xA0) == "Zen 4"  # Genoa, Bergamo
+    assert cpu_generation(amd, 0x19, 0x01) == "Zen 3"  # Milan
+    assert cpu_generation(amd, 0x17, 0x31) == "Zen 2"  # Rome
+    assert cpu_generation("GenuineIntel", 6, 143) == ""
+
+
 def _fake_servers_and_benches(monkeypatch, hf_export_dir) -> tuple[list, list]:
     """Every peer installed, servers that start at once, bench runs recorded: (server commands started, (section,
     engine, command) of each bench run), filled as compare runs."""

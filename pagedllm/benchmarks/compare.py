@@ -819,6 +819,13 @@ def section_key(info: dict, gguf: Optional[str]) -> str:
     return f"{isa_level_label(info)}/{os.path.basename(gguf or default_model_path())}"
 
 
+def cpu_label(info: dict) -> str:
+    """The section heading's CPU: its model name, and its family/model where ``machine_info`` read them (a VM's name
+    may be just "AMD EPYC", which is Zen 3, 4 or 5)."""
+    cpu = info.get("cpu", "CPU ?")
+    return f"{cpu} ({info['cpu_id']})" if info.get("cpu_id") else cpu
+
+
 def isa_level_label(info: dict) -> str:
     """The section heading's level: ``amx``, or ``avx512_bf16 (capped; the CPU's best: amx)`` for a run with
     ``PAGEDLLM_CPU_ISA`` below the CPU's level (a stand-in for a CPU of that level, not one)."""
@@ -868,7 +875,7 @@ def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions
             if not _gguf(ns) else f"`{model}` (pagedllm bf16 and vLLM/HF on its bf16 export; llama.cpp and "
             "\"pagedllm int4\" (`--quantization gguf`) on the file as stored)")
     lines = [
-        f"## {info.get('cpu', 'CPU ?')}, ISA level {isa_level_label(info)}: {model}",
+        f"## {cpu_label(info)}, ISA level {isa_level_label(info)}: {model}",
         "",
         f"Written by `pagedllm bench compare` on {started} ({wall / 60:.1f} min). Model: {what}. "
         "All engines use the machine's 2 cores. The machine is shared, so absolute figures swing (±25% or more); "

@@ -325,7 +325,7 @@ def results_block(ns, runs: list, info: dict, started: str) -> str:
 
     model = os.path.basename(C._gguf(ns) or default_model_path())
     notes = [
-        f"## {info.get('cpu', 'CPU ?')}, ISA level {C.isa_level_label(info)}: {model}, speculative decoding",
+        f"## {C.cpu_label(info)}, ISA level {C.isa_level_label(info)}: {model}, speculative decoding",
         "",
         f"Written by `pagedllm bench compare --sections speculative` on {started}. Single stream (concurrency 1, "
         f"chat completions, greedy), {ns.spec_num_prompts} prompts per run: `code-edit` answers end by themselves "

@@ -261,14 +261,40 @@ def versions() -> dict:
     return v
 
 
+def cpu_generation(vendor: str, family: int, model: int) -> str:
+    """An AMD core's generation from its CPUID family and model ("" if not known): a cloud VM's model name is often
+    just "AMD EPYC", and Zen 4 and Zen 5 run the same ISA level at different vector rates (Zen 5's 512-bit datapath
+    does twice Zen 4's VDPBF16PS a cycle). Family/model ranges: AMD's Processor Programming Reference of each family
+    (17h: Zen/Zen+/Zen 2; 19h models 00-0Fh, 20-5Fh: Zen 3, 10-1Fh, 60-7Fh, A0-AFh: Zen 4; 1Ah: Zen 5)."""
+    if vendor != "AuthenticAMD":
+        return ""
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen/Zen+"
+    if family == 0x19:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "Zen 3"
+    if family == 0x1A:
+        return "Zen 5"
+    return ""
+
+
 def machine_info() -> dict:
     info: dict = {}
     try:
+        ident: dict = {}
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "vendor_id", "cpu family", "model") and key not in ident:
+                    ident[key] = value.strip()
+                if not line.strip() and ident:  # the first processor's block is enough
                     break
+        if "model name" in ident:
+            info["cpu"] = ident["model name"]
+        if "cpu family" in ident and "model" in ident:
+            fam, mod = int(ident["cpu family"]), int(ident["model"])
+            gen = cpu_generation(ident.get("vendor_id", ""), fam, mod)
+            info["cpu_id"] = f"family {fam} model {mod}" + (f", {gen}" if gen else "")
         flags = cpu_flags()
         info["isa"] = " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if x in flags)
         from pagedllm.kernels.config import KernelConfig, detect_level
