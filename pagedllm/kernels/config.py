@@ -131,7 +131,7 @@ class KernelConfig:
         to bf16 in the packed layout of our bf16 GEMM, dpbf16 below AMX, bf16 activations exact; as AMX does),
         ``float`` (``int4_gemm``: the weight expanded to float32 tiles), ``int16`` / ``int8`` (the integer-dot kernel
         with 15-bit / 8-bit activations; 8-bit adds llama.cpp's activation error, up to max|x| / 254 per group).
-        ``auto``: ``bf16`` at ``avx512_bf16`` (and ``amx``), ``int16`` below. Measured on an AMD EPYC Zen 4 (2 threads,
+        ``auto``: ``bf16`` at ``avx512_bf16`` (and ``amx``), ``int16`` below. Measured on an AMD EPYC Zen 5 (2 threads,
         SmolLM2's four int4 layer shapes at 512 rows, expansion included): bf16 4.2 ms (858 GFLOP/s), int8 4.8, int16
         9.2, float 11.7; on a Xeon capped at ``avx512_bf16`` (VDPBF16PS one per 2 cycles there) bf16 and int16 were
         even. At ``avx2`` the ``vpmaddwd`` kernel was 1.24-1.35x ``int4_gemm`` at 512 rows (Zen 3)."""

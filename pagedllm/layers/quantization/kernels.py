@@ -318,9 +318,9 @@ def int4_prefill_backend(k: int):
     take ``KernelConfig.int4_prefill_kernel`` (``int4_matmul``). On AMX always: there it is 5-7x ``int4_gemm``'s
     float32 FMAs at 512 rows (SmolLM2's layers on a Xeon with AMX, 2 threads, expansion included: 960x576 2.1 -> 0.37
     ms, 3072x576 5.9 -> 1.2 ms; Qwen 1.5B's 17920x1536 104 -> 21 ms) and even at 32 rows (0.41 -> 0.22 ms). Below AMX
-    the dpbf16 GEMM where ``int4_prefill_kernel`` is ``bf16`` (the default at ``avx512_bf16``): on an AMD EPYC Zen 4,
+    the dpbf16 GEMM where ``int4_prefill_kernel`` is ``bf16`` (the default at ``avx512_bf16``): on an AMD EPYC Zen 5,
     SmolLM2's four layer shapes at 512 rows took 4.2 ms there against 9.2 on the 15-bit integer kernel (a Xeon capped
-    at ``avx512_bf16``, whose VDPBF16PS runs at half a Zen 4's rate, had them even)."""
+    at ``avx512_bf16``, whose VDPBF16PS runs at half that Zen 5's rate, had them even)."""
     from pagedllm import kernels
     from pagedllm.layers.packed_linear import linear_backend
 

@@ -31,7 +31,7 @@ multiplied, dropped (no full dequantized copy). Their weights are rounded once t
 kind, never the row count, picks the path (batch invariance). Below ``amx`` prefill rows stay on the integer kernel
 (8-bit activations): on the Xeon capped at ``avx512_bf16`` that was 2.3x the dpbf16 route (1.5B Q4_K_M TTFT at
 128 / 1,024 tokens 0.80 / 7.6 s against 1.86 / 15.2 s), as ``vpdpbusd`` does 64 multiply-adds where ``vdpbf16ps``
-does 32. On an AMD EPYC Zen 4 (2 threads), whose VDPBF16PS runs twice that Xeon's rate, the integer kernel still won:
+does 32. On an AMD EPYC Zen 5 (2 threads), whose VDPBF16PS runs twice that Xeon's rate, the integer kernel still won:
 0.37-0.39 / 2.80-2.83 s against 0.51 / 3.31 s (unlike int4 layers, whose prefill goes to dpbf16 there:
 ``KernelConfig.int4_prefill_kernel``).
 """
