@@ -444,8 +444,8 @@ _VCLIENT_KEYS = ("completed", "failed", "duration", "request_throughput", "outpu
 def run_vllm_client(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
     """The ``vclient`` section (issue 17): the serving comparison measured with vLLM's own client, ``vllm bench
     serve`` from the vLLM peer's venv, against our server (bf16) and vLLM's: its ``random`` dataset, 128 tokens in /
-    ``--serve-output-len`` out, ``--serve-num-prompts`` requests at ``--serve-concurrency``, completions, greedy, ignore_eos,
-    seed 0 (the same prompt texts for both servers). Its result is kept as one level of our own client's JSON
+    ``--serve-output-len`` out, ``--serve-num-prompts`` requests at ``--serve-concurrency``, completions, greedy,
+    ignore_eos, seed 0 (the same prompt texts for both servers). Its result is kept as one level of our own client's JSON
     (``levels[0]``: mean/median/P99 TTFT, TPOT, ITL, E2E), so the tables read it alike."""
     vbin, tok = P.vllm_bin(), P.hf_export_dir(_gguf(ns))
     raw_dir = os.path.join(out_dir, "raw")

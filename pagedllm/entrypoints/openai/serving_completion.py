@@ -155,9 +155,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs = completion_logprobs(token_ids, lps, req.logprobs, self.tokenizer,
                                                        text_offsets[idx], req.return_tokens_as_token_ids)
                         text_offsets[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    # A token that completes no character yet still gets its chunk (text ""), as in vLLM: one chunk
+                    # per step that made tokens, which clients count as the tokens' arrival.
                     if not text and not token_ids and c.finish_reason is None and logprobs is None:
-                        continue  # nothing new. A token that completes no character yet still gets its chunk
-                        # (text ""), as in vLLM: one chunk per step, which clients count as the token's arrival
+                        continue
                     event = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                              "choices": [{"index": idx, "text": text, "logprobs": logprobs,
                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
