@@ -338,7 +338,7 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     assert C.ratio(rows["serve chat: P99 ITL ms"], "vllm") == pytest.approx(0.5)
     assert C.ratio(rows["serve chat: output tok/s"], "llamacpp") is None
     # issue 8's row: ours with the GGUF kept 4-bit vs llama.cpp, decode tok/s = 1000 / TPOT
-    int4 = rows["int4 (GGUF Q4_1 kept 4-bit): single stream decode tok/s"]
+    int4 = rows["GGUF kept as stored (`--quantization gguf`): single stream decode tok/s"]
     assert int4.ours == pytest.approx(50.0) and C.ratio(int4, "llamacpp") == pytest.approx(1.25)
     table = C.format_ratio_table(list(rows.values()))
     assert "| offline mixed: output tok/s | 900.0 | 600.0 | **1.50x** | 90.0 | **10.00x** |" in table
