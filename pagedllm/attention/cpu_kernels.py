@@ -21,6 +21,7 @@ import ctypes
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm import kernels
 
@@ -156,6 +157,15 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
 def silu_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     """``silu(gate) * up`` for ``gate_up [T, 2 * I]`` (gate first) -> ``[T, I]``; None when the C kernel can't run."""
     return _act_and_mul(gate_up, _fused_fn(gate_up, "silu_mul"))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul``, or torch's ``F.silu(gate) * up`` where the C kernel can't run: never None."""
+    act = silu_and_mul(gate_up)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return act
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

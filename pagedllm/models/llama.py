@@ -20,11 +20,10 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.packed_linear import lm_head_logits
-from pagedllm.attention.cpu_kernels import rope_and_cache, silu_and_mul
+from pagedllm.attention.cpu_kernels import rope_and_cache, silu_mul
 from pagedllm.attention.torch_attn import Attention, AttentionMetadata
 from pagedllm.distributed.parallel_state import get_pp_rank, get_pp_size, get_tp_size, pp_layer_range
 from pagedllm.kv_cache_spec import AttentionSpec
@@ -134,11 +133,7 @@ class LlamaMLP(nn.Module):
         act = fused(x) if fused is not None else None
         if act is not None:
             return self.down_proj.forward(act)
-        gate_up = self.gate_up_proj.forward(x)
-        act = silu_and_mul(gate_up)  # one C pass on CPU (csrc/cpu_ops.c)
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+        act = silu_mul(self.gate_up_proj.forward(x))  # one C pass on CPU (csrc/cpu_ops.c)
         return self.down_proj.forward(act)
 
 

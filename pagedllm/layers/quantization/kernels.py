@@ -400,7 +400,7 @@ def int4_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch
     every row. None where that path doesn't apply (no prefill rows, no such GEMM, invariance off, a padded or odd
     shape): the caller then runs those two."""
     from pagedllm import kernels
-    from pagedllm.attention.cpu_kernels import silu_and_mul
+    from pagedllm.attention.cpu_kernels import silu_mul
     from pagedllm.layers.quantization import cpu_kernels
 
     rows = getattr(_step, "rows", None)
@@ -416,9 +416,7 @@ def int4_silu_mul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch
     x = x.contiguous()
 
     def decode(xd: torch.Tensor) -> torch.Tensor:
-        gate_up = cpu_kernels.int4_gemv_bf16(xd, packed, scales_and_zeros, kernel_g, n_out)
-        act = silu_and_mul(gate_up)
-        return act if act is not None else F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        return silu_mul(cpu_kernels.int4_gemv_bf16(xd, packed, scales_and_zeros, kernel_g, n_out))
 
     return by_row_kind(x, rows, lambda xp: int4_prefill_silu_mul(xp, packed, scales_and_zeros, kernel_g, inter, found),
                        decode)

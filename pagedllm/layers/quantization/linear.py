@@ -35,6 +35,8 @@ class QuantLinear(nn.Module):
     """``y = x @ W.T (+ bias)`` with ``W`` kept as GGUF blocks as stored, int4 groups, int8 rows, or dense
     (``self.kind``: kquant, int4, int8, dense)."""
 
+    silu_gated = False  # rows [gate; up] of a SwiGLU gate_up (set by quantize_model from the layer it replaces)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant_config: Any,
                  output_sizes: Optional[tuple[int, ...]] = None) -> None:
         super().__init__()
@@ -153,7 +155,7 @@ class QuantLinear(nn.Module):
         pass where it has one: int4 prefill rows on a packed bf16 GEMM (AMX, or dpbf16 at ``avx512_bf16``) through its
         gated epilogue (``int4_silu_mul``). None otherwise (the caller runs ``forward``, then ``silu_and_mul``); the
         same bits either way."""
-        if (self.kind != "int4" or not getattr(self, "silu_gated", False) or self.perm is not None
+        if (self.kind != "int4" or not self.silu_gated or self.perm is not None
                 or self.bias is not None):
             return None
         return int4_silu_mul(x, self.packed, self.scales_and_zeros, self._kernel_group, self._n_out,
