@@ -250,3 +250,41 @@ def test_decode_alone_equals_among_others_across_the_head_split(dtype, H, KVH, D
     ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0].double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 1, 256), (12, 2, 128)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_decode_long_context_partitions(dtype, H, KVH, D, window):
+    """Contexts of several partitions (``DECODE_PART`` in paged_decode.c, 256 tokens: 1,000 tokens is 4, the last
+    partial; 256 one, 257 two; a window of 300 starts a context mid-block) against float64, and each request's output
+    the same bits alone (its partitions then spread over the threads, combined after them) as among 2 x threads others
+    (one task per request, its partitions in order), at 1, 2 and 3 threads."""
+    require_native(cpu_kernels.get_lib())
+    torch.manual_seed(2)
+    BS, NB, max_blocks = 16, 700, 64
+    k_cache, v_cache = torch.randn(NB, BS, KVH, D).to(dtype), torch.randn(NB, BS, KVH, D).to(dtype)
+    seq_lens = torch.tensor([1000, 256, 513, 257, 700, 3, 1023, 400], dtype=torch.int64)
+    n = len(seq_lens)
+    block_tables = (torch.randperm(NB - 1)[: n * max_blocks] + 1).view(n, max_blocks).contiguous()
+    q = (torch.randn(n, H, D) * 3).to(dtype)  # sharper softmax: partitions with very different maxima
+    scale = 1 / math.sqrt(D)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            together = torch.zeros(n, H, D, dtype=dtype)
+            assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, together, scale, window)
+            for r in range(n):
+                alone = torch.zeros(1, H, D, dtype=dtype)
+                assert cpu_kernels.paged_decode(q[r : r + 1], k_cache, v_cache, block_tables[r : r + 1],
+                                                seq_lens[r : r + 1], None, alone, scale, window)
+                assert torch.equal(alone[0], together[r]), (threads, r)
+            outs.append(together)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0].double(), ref, atol=tol, rtol=tol)

@@ -210,6 +210,8 @@ LEVEL_SUITE = [
     "tests/test_attention_kernel.py::test_kernel_matches_reference",
     "tests/test_attention_kernel.py::test_torch_fallback_equals_kernel",
     "tests/test_attention_kernel.py::test_decode_kernel_block16_matches_reference",
+    "tests/test_attention_kernel.py::test_decode_alone_equals_among_others_across_the_head_split",
+    "tests/test_attention_kernel.py::test_decode_long_context_partitions",
     "tests/test_paged_prefill.py",
     "tests/test_cpu_ops.py::test_add_rms_norm_matches_torch",
     "tests/test_cpu_ops.py::test_silu_and_mul_matches_torch",
