@@ -154,6 +154,27 @@ def test_int4_torch_paths_without_c_kernel(monkeypatch, dtype):
     _check(layer, w.dequantize(), 128)
 
 
+def test_int4_gemv_prefetch_distance_changes_no_bit():
+    """The decode kernel's prefetch distance (``KernelConfig.int4_prefetch_bytes``) is only a hint: 32 B, 2 KB and 64 KB
+    ahead give the same bits, and the library follows the active config."""
+    from pagedllm.layers.quantization import cpu_kernels
+    from pagedllm.layers.quantization import kernels as K
+
+    if not cpu_kernels.int4_gemv_supported():
+        pytest.skip("no int4 decode kernel at this level")
+    torch.manual_seed(3)
+    pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(200, 1536), 32), torch.bfloat16)
+    kg = int(pk["kernel_group"])
+    x = torch.randn(3, 1536).bfloat16()
+    outs = []
+    for dist in (32, 2048, 65536):
+        with kernels.use(dataclasses.replace(kernels.config(), int4_prefetch_bytes=dist)):
+            outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
+            assert cpu_kernels._PREFETCH[id(cpu_kernels.get_lib())] == dist
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+
 @pytest.mark.parametrize("n,k,group", [(37, 160, 32), (130, 256, 64), (64, 512, 128), (200, 512, 256)])
 def test_int4_gemv_matches_float64(n, k, group, monkeypatch):
     """The integer-dot decode kernel (bf16 rows <= INT4_GEMV_MAX_TOKENS) vs float64 over the same int4 weight: within

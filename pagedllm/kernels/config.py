@@ -56,6 +56,25 @@ def cpu_flags() -> frozenset:
     return frozenset()
 
 
+def cpu_vendor() -> str:
+    """``/proc/cpuinfo``'s ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``, ...), or "" if unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def default_int4_prefetch_bytes(vendor: Optional[str] = None) -> int:
+    """The int4 decode kernel's prefetch distance for this CPU (``vendor``: default this one's): 6 KB on AMD (Zen 5:
+    SmolLM2's int4 layer matmuls 1.24-1.28 ms a step at 6 KB, 1.35-1.40 at 2 KB), 2 KB elsewhere (the Xeon's measured
+    best; see ``int4_set_prefetch_bytes`` in kernels/csrc/int4_cpu.c)."""
+    return 6144 if (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD" else 2048
+
+
 def detect_level(flags: Optional[frozenset] = None) -> str:
     """The best level of ``LEVELS`` whose required flags are all in ``flags`` (default: this CPU's)."""
     import platform
@@ -116,11 +135,14 @@ class KernelConfig:
     kquant_act_bits: int = 16  # 8 or 16: activations of the GGUF integer matmuls' decode rows (and unmarked calls)
     kquant_prefill_act_bits: int = 8  # the same for prefill rows (``step_rows``)
     int4_prefill: str = "auto"  # int4 prefill rows below AMX: auto, bf16, float, int16, int8 (``int4_prefill_kernel``)
+    int4_prefetch_bytes: int = 0  # the int4 decode kernel's prefetch distance; 0: the CPU's default (from_env sets it)
 
     def __post_init__(self) -> None:
         for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
             if getattr(self, name) not in (8, 16):
                 raise ValueError(f"{name} must be 8 or 16; got {getattr(self, name)!r}.")
+        if not 0 <= self.int4_prefetch_bytes <= 65536:
+            raise ValueError(f"int4_prefetch_bytes must be in 0..65536; got {self.int4_prefetch_bytes!r}.")
         if self.int4_prefill not in INT4_PREFILL_KERNELS:
             raise ValueError(f"int4_prefill must be one of {', '.join(INT4_PREFILL_KERNELS)}; "
                              f"got {self.int4_prefill!r}.")
@@ -138,6 +160,11 @@ class KernelConfig:
         if self.int4_prefill != "auto":
             return self.int4_prefill
         return "bf16" if level_at_least(self.level, "avx512_bf16") else "int16"
+
+    @property
+    def int4_prefetch(self) -> int:
+        """The int4 decode kernel's prefetch distance in bytes (``int4_prefetch_bytes``, or the CPU's default)."""
+        return self.int4_prefetch_bytes or default_int4_prefetch_bytes()
 
     @property
     def native(self) -> bool:
@@ -158,6 +185,7 @@ class KernelConfig:
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
                 + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}"
+                + f", int4 prefetch {self.int4_prefetch} B"
                 + (", int4 integer sums on AMX-INT8" if self.amx and self.amx_linear and "amx_int8" in cpu_flags()
                    else ""))
 
@@ -173,7 +201,18 @@ class KernelConfig:
                    malloc_keep=envs.flag("PAGEDLLM_MALLOC_KEEP"), batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"),
                    kquant_act_bits=_int_env("PAGEDLLM_KQUANT_ACT_BITS"),
                    kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"),
-                   int4_prefill=envs.get("PAGEDLLM_INT4_PREFILL"))
+                   int4_prefill=envs.get("PAGEDLLM_INT4_PREFILL"),
+                   int4_prefetch_bytes=_prefetch_env())
+
+
+def _prefetch_env() -> int:
+    v = envs.get("PAGEDLLM_INT4_PREFETCH_BYTES")
+    if v in (None, "", "auto"):
+        return default_int4_prefetch_bytes()
+    n = _int_env("PAGEDLLM_INT4_PREFETCH_BYTES")
+    if not 32 <= n <= 65536:
+        raise ValueError(f"PAGEDLLM_INT4_PREFETCH_BYTES must be auto or 32..65536; got {v!r}.")
+    return n
 
 
 def _int_env(name: str) -> int:

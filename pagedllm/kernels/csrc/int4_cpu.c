@@ -36,6 +36,15 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (inputs a
     return (uint16_t)(u >> 16);
 }
 
+/* How far ahead of the codes being multiplied the decode kernels prefetch (int4_gemv_bf16's loops, both builds), in
+ * input features (x 32 bytes): KernelConfig.int4_prefetch_bytes, set from Python when the library loads. Measured
+ * (AMD EPYC Zen 5, 2 threads, one row, weights from memory, builds interleaved, medians of 12): SmolLM2's 120 int4
+ * layer matmuls of a step 1.35-1.40 ms at 2 KB, 1.29-1.35 at 4 KB, 1.24-1.28 at 6 KB, 1.28-1.30 at 8 KB, 1.40-1.47
+ * at 1 KB; the AVX2 build 1.67 -> 1.53 ms (2 -> 6 KB). On the Xeon (AMX) it was first tuned on, 2 KB was ~10% over
+ * none, and the K-quant kernel's distance there was best at 2 KB (kquant_cpu.c, KQ_PREFETCH). */
+static int64_t g_pf_features = 64;
+void int4_set_prefetch_bytes(int64_t bytes) { g_pf_features = bytes < 32 ? 1 : bytes / 32; }
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* The scales and zeros are [K / G][N_pad][2]: a block's 64 columns take 256 bytes per group, N_pad * 4 bytes apart,
  * a stream of n_groups pages that the hardware prefetcher does not follow. Per group g of block b: group g's 256
@@ -400,11 +409,7 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
  * Up to 2 activation rows share each expanded weight vector (more rows loop in chunks of 2).
  * Prefill rows may take 8-bit activations instead (int4_gemv_bf16_a8): xq = 128 q, q = rint(127 x / max|x|) per
  * group, so lo = 0 and LO = 0 skips its vpdpbusd (half the integer work); the epilogue is the same. */
-/* Prefetch distance in input features (x 32 bytes): 6 KB ahead. Measured (AMD EPYC Zen 5, 2 threads, one row, weights
- * from memory, builds interleaved, medians of 12): SmolLM2's 120 int4 layer matmuls of a step 1.35-1.40 ms at 2 KB
- * (64), 1.29-1.35 at 4 KB, 1.24-1.28 at 6 KB, 1.28-1.30 at 8 KB, 1.40-1.47 at 1 KB; the AVX2 build 1.67 -> 1.53 ms
- * (2 -> 6 KB). 2 KB was ~10% over none on the Xeon (AMX) it was first tuned on. */
-#define PF_FEATURES 192
+#define PF_FEATURES g_pf_features /* see int4_set_prefetch_bytes */
 
 /* The codes of features k .. k + 3 of block b (pb: its pack) for the block's 64 weight rows: w[i] lane r holds the 4
  * codes of row 16 i + r (rows 0..31: low nibbles, 32..63: high), as vpdpbusd (and an AMX-INT8 B tile row) reads them:
@@ -627,7 +632,7 @@ int int4_gemv_use_amx(int on) { /* no AMX-INT8 in this build */
  * is a mask of that lane, the high one (rows 32..63) a shift. Per group sum_k q xq equals the VNNI kernel's
  * 128 sum_k q hi + sum_k q lo, as xq = 128 hi + lo. One activation row: gemv_block (16 ymm registers); more rows:
  * gemv_block_rows, which widens each group's codes once into an L1 buffer that all of them read. */
-#define PF_FEATURES 192 /* prefetch distance in input features (x 32 bytes), as above */
+#define PF_FEATURES g_pf_features /* see int4_set_prefetch_bytes */
 
 /* The 8 vectors of 16-bit codes of features (k, k + 1) of block pb: w[i] low nibbles, w[4 + i] high ones. */
 static inline __attribute__((always_inline)) void widen_pair(const uint8_t *pb, int64_t k, __m256i w[8]) {
