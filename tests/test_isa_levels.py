@@ -335,26 +335,32 @@ def test_kquant_activation_widths_resolve_and_are_checked(monkeypatch):
         KernelConfig.from_env("none")
 
 
-def test_int4_prefetch_distance_resolves_by_vendor_and_is_checked(monkeypatch):
-    """``PAGEDLLM_INT4_PREFETCH_BYTES``: auto is 6 KB on AMD and 2 KB elsewhere (each CPU's measured best), a number
-    is taken as given, anything else (or out of 32..65536) is refused; the resolved distance is in the start-up line."""
+def test_weight_prefetch_distances_resolve_by_vendor_and_are_checked(monkeypatch):
+    """``PAGEDLLM_INT4_PREFETCH_BYTES`` / ``PAGEDLLM_KQUANT_PREFETCH_BYTES``: auto is 6 / 8 KB on AMD and 2 KB elsewhere
+    (each kernel's measured best per CPU), a number is taken as given, anything else (or out of 32..65536) is refused;
+    the resolved distances are in the start-up line."""
     from pagedllm.kernels import KernelConfig
 
     kc = importlib.import_module("pagedllm.kernels.config")  # the module (pagedllm.kernels.config is also a function)
 
-    assert kc.default_int4_prefetch_bytes("AuthenticAMD") == 6144
-    assert kc.default_int4_prefetch_bytes("GenuineIntel") == 2048
+    assert kc.default_prefetch_bytes("int4", "AuthenticAMD") == 6144
+    assert kc.default_prefetch_bytes("kquant", "AuthenticAMD") == 8192
+    assert kc.default_prefetch_bytes("int4", "GenuineIntel") == kc.default_prefetch_bytes("kquant", "") == 2048
     monkeypatch.setattr(kc, "cpu_vendor", lambda: "AuthenticAMD")
     cfg = KernelConfig.from_env("none")
-    assert cfg.int4_prefetch_bytes == 6144 and "int4 prefetch 6144 B" in cfg.describe()
+    assert (cfg.int4_prefetch_bytes, cfg.kquant_prefetch_bytes) == (6144, 8192)
+    assert "weight prefetch int4 6144 B / K-quant 8192 B" in cfg.describe()
     monkeypatch.setattr(kc, "cpu_vendor", lambda: "GenuineIntel")
     assert KernelConfig.from_env("none").int4_prefetch == 2048
-    assert KernelConfig().int4_prefetch == 2048  # 0: the CPU's default
+    assert KernelConfig().kquant_prefetch == 2048  # 0: the CPU's default
     monkeypatch.setenv("PAGEDLLM_INT4_PREFETCH_BYTES", "4096")
-    assert KernelConfig.from_env("none").int4_prefetch == 4096
-    for bad in ("16", "100000", "far"):
-        monkeypatch.setenv("PAGEDLLM_INT4_PREFETCH_BYTES", bad)
-        with pytest.raises(ValueError, match="PAGEDLLM_INT4_PREFETCH_BYTES"):
-            KernelConfig.from_env("none")
-    with pytest.raises(ValueError, match="int4_prefetch_bytes"):
-        KernelConfig(int4_prefetch_bytes=-1)
+    monkeypatch.setenv("PAGEDLLM_KQUANT_PREFETCH_BYTES", "1024")
+    assert (KernelConfig.from_env("none").int4_prefetch, KernelConfig.from_env("none").kquant_prefetch) == (4096, 1024)
+    for name in ("PAGEDLLM_INT4_PREFETCH_BYTES", "PAGEDLLM_KQUANT_PREFETCH_BYTES"):
+        for bad in ("16", "100000", "far"):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ValueError, match=name):
+                KernelConfig.from_env("none")
+        monkeypatch.setenv(name, "auto")
+    with pytest.raises(ValueError, match="kquant_prefetch_bytes"):
+        KernelConfig(kquant_prefetch_bytes=-1)

@@ -142,6 +142,32 @@ def test_batch_invariance(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_prefetch_distance_changes_no_bit(qtype):
+    """The GEMV's prefetch distance (``KernelConfig.kquant_prefetch_bytes``) is only a hint: 32 B, 2 KB and 64 KB
+    ahead give the same bits, and the library follows the active config."""
+    import dataclasses
+
+    from pagedllm import kernels
+    from pagedllm.layers.quantization import kquant
+
+    k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 256
+    w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 150, k, seed=7))).tiled()
+    x = torch.randn(3, k).bfloat16()
+    lib, ys, calls = get_lib(), [], []
+    real = lib.kq_set_prefetch_bytes
+    lib.kq_set_prefetch_bytes = lambda n: calls.append(n) or real(n)
+    try:
+        for dist in (32, 2048, 65536):
+            with kernels.use(dataclasses.replace(kernels.config(), kquant_prefetch_bytes=dist)):
+                ys.append(kquant_linear(x, [w], torch.float32))
+    finally:
+        lib.kq_set_prefetch_bytes = real
+        kquant._PREFETCH.clear()  # the next call gives the library the active config's distance again
+    assert calls == [32, 2048, 65536]
+    assert all(torch.equal(y, ys[0]) for y in ys)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_thread_count_invariance(qtype):
     """The same bits with 1, 2 or 3 threads (threads split the 16-row tiles; a row's sums never depend on them)."""
     k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 256

@@ -166,11 +166,17 @@ def test_int4_gemv_prefetch_distance_changes_no_bit():
     pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(200, 1536), 32), torch.bfloat16)
     kg = int(pk["kernel_group"])
     x = torch.randn(3, 1536).bfloat16()
-    outs = []
-    for dist in (32, 2048, 65536):
-        with kernels.use(dataclasses.replace(kernels.config(), int4_prefetch_bytes=dist)):
-            outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
-            assert cpu_kernels._PREFETCH[id(cpu_kernels.get_lib())] == dist
+    lib, outs, calls = cpu_kernels.get_lib(), [], []
+    real = lib.int4_set_prefetch_bytes
+    lib.int4_set_prefetch_bytes = lambda n: calls.append(n) or real(n)
+    try:
+        for dist in (32, 2048, 65536):
+            with kernels.use(dataclasses.replace(kernels.config(), int4_prefetch_bytes=dist)):
+                outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
+    finally:
+        lib.int4_set_prefetch_bytes = real
+        cpu_kernels._PREFETCH.clear()  # the next call gives the library the active config's distance again
+    assert calls == [32, 2048, 65536]
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 

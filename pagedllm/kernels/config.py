@@ -68,11 +68,16 @@ def cpu_vendor() -> str:
     return ""
 
 
-def default_int4_prefetch_bytes(vendor: Optional[str] = None) -> int:
-    """The int4 decode kernel's prefetch distance for this CPU (``vendor``: default this one's): 6 KB on AMD (Zen 5:
-    SmolLM2's int4 layer matmuls 1.24-1.28 ms a step at 6 KB, 1.35-1.40 at 2 KB), 2 KB elsewhere (the Xeon's measured
-    best; see ``int4_set_prefetch_bytes`` in kernels/csrc/int4_cpu.c)."""
-    return 6144 if (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD" else 2048
+# How far ahead the decode kernels prefetch their weight streams, per CPU vendor (bytes): each kernel's measured best
+# (int4_set_prefetch_bytes in kernels/csrc/int4_cpu.c, kq_set_prefetch_bytes in kquant_cpu.c). AMD EPYC Zen 5, 2
+# threads, builds interleaved: SmolLM2's int4 layer matmuls 1.24-1.28 ms a step at 6 KB, 1.35-1.40 at 2 KB; the 1.5B
+# Q4_K_M decode step 15.0-15.6 ms at 8 KB, 17.0-22.6 at 2 KB. Xeon (AMX): 2 KB for both (4 KB 10% slower there).
+_PREFETCH_BYTES = {"int4": {"AuthenticAMD": 6144}, "kquant": {"AuthenticAMD": 8192}}
+
+
+def default_prefetch_bytes(kernel: str, vendor: Optional[str] = None) -> int:
+    """The prefetch distance of ``kernel`` ("int4" or "kquant") for a CPU of ``vendor`` (default: this one's)."""
+    return _PREFETCH_BYTES[kernel].get(cpu_vendor() if vendor is None else vendor, 2048)
 
 
 def detect_level(flags: Optional[frozenset] = None) -> str:
@@ -136,13 +141,15 @@ class KernelConfig:
     kquant_prefill_act_bits: int = 8  # the same for prefill rows (``step_rows``)
     int4_prefill: str = "auto"  # int4 prefill rows below AMX: auto, bf16, float, int16, int8 (``int4_prefill_kernel``)
     int4_prefetch_bytes: int = 0  # the int4 decode kernel's prefetch distance; 0: the CPU's default (from_env sets it)
+    kquant_prefetch_bytes: int = 0  # the same for the K-quant matmuls
 
     def __post_init__(self) -> None:
         for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
             if getattr(self, name) not in (8, 16):
                 raise ValueError(f"{name} must be 8 or 16; got {getattr(self, name)!r}.")
-        if not 0 <= self.int4_prefetch_bytes <= 65536:
-            raise ValueError(f"int4_prefetch_bytes must be in 0..65536; got {self.int4_prefetch_bytes!r}.")
+        for name in ("int4_prefetch_bytes", "kquant_prefetch_bytes"):
+            if not 0 <= getattr(self, name) <= 65536:
+                raise ValueError(f"{name} must be in 0..65536; got {getattr(self, name)!r}.")
         if self.int4_prefill not in INT4_PREFILL_KERNELS:
             raise ValueError(f"int4_prefill must be one of {', '.join(INT4_PREFILL_KERNELS)}; "
                              f"got {self.int4_prefill!r}.")
@@ -164,7 +171,12 @@ class KernelConfig:
     @property
     def int4_prefetch(self) -> int:
         """The int4 decode kernel's prefetch distance in bytes (``int4_prefetch_bytes``, or the CPU's default)."""
-        return self.int4_prefetch_bytes or default_int4_prefetch_bytes()
+        return self.int4_prefetch_bytes or default_prefetch_bytes("int4")
+
+    @property
+    def kquant_prefetch(self) -> int:
+        """The K-quant matmuls' prefetch distance in bytes (``kquant_prefetch_bytes``, or the CPU's default)."""
+        return self.kquant_prefetch_bytes or default_prefetch_bytes("kquant")
 
     @property
     def native(self) -> bool:
@@ -185,7 +197,7 @@ class KernelConfig:
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
                 + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}"
-                + f", int4 prefetch {self.int4_prefetch} B"
+                + f", weight prefetch int4 {self.int4_prefetch} B / K-quant {self.kquant_prefetch} B"
                 + (", int4 integer sums on AMX-INT8" if self.amx and self.amx_linear and "amx_int8" in cpu_flags()
                    else ""))
 
@@ -202,16 +214,17 @@ class KernelConfig:
                    kquant_act_bits=_int_env("PAGEDLLM_KQUANT_ACT_BITS"),
                    kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"),
                    int4_prefill=envs.get("PAGEDLLM_INT4_PREFILL"),
-                   int4_prefetch_bytes=_prefetch_env())
+                   int4_prefetch_bytes=_prefetch_env("int4"), kquant_prefetch_bytes=_prefetch_env("kquant"))
 
 
-def _prefetch_env() -> int:
-    v = envs.get("PAGEDLLM_INT4_PREFETCH_BYTES")
+def _prefetch_env(kernel: str) -> int:
+    name = f"PAGEDLLM_{kernel.upper()}_PREFETCH_BYTES"
+    v = envs.get(name)
     if v in (None, "", "auto"):
-        return default_int4_prefetch_bytes()
-    n = _int_env("PAGEDLLM_INT4_PREFETCH_BYTES")
+        return default_prefetch_bytes(kernel)
+    n = _int_env(name)
     if not 32 <= n <= 65536:
-        raise ValueError(f"PAGEDLLM_INT4_PREFETCH_BYTES must be auto or 32..65536; got {v!r}.")
+        raise ValueError(f"{name} must be auto or 32..65536; got {v!r}.")
     return n
 
 

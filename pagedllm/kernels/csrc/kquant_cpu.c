@@ -59,14 +59,17 @@
 #define KQ_Q6_K 14
 #define KQ_XMAX 16256.0f /* 127 * 128 */
 #define KQ_R 16          /* rows per tile */
-#ifndef KQ_PREFETCH
-/* bytes ahead of the group being multiplied that the GEMV prefetches. Measured with 4 KiB pages, one thread
+/* Bytes ahead of the group being multiplied that the GEMV prefetches: KernelConfig.kquant_prefetch_bytes, set from
+ * Python when the library loads (kq_set_prefetch_bytes; 2 KB until then). Measured with 4 KiB pages, one thread
  * streaming 40-90 MB weights from DRAM: no prefetch 5-7 GB/s, 4 KB ahead 8-9.5 GB/s against a 9-11 GB/s plain read.
  * With the weights in huge pages (utils/hugepages.py), engine decode steps on the Xeon (AMX, 2 threads, interleaved
  * runs): 1.5B Q4_K_M 44.2-45.4 ms at 4 KB, 40.0-41.3 at 2 KB (1 KB 42.4-44.7, 1.5 KB 40.6-43.2, 3 KB 42.9-44.2,
- * 12 KB 49.8-50.0); 0.5B 18.0-18.9 -> 16.8-17.2; Gemma-3-270M 11.4-11.6 -> 10.9-11.1 ms. */
-#define KQ_PREFETCH 2048
-#endif
+ * 12 KB 49.8-50.0); 0.5B 18.0-18.9 -> 16.8-17.2; Gemma-3-270M 11.4-11.6 -> 10.9-11.1 ms. On an AMD EPYC Zen 5 (2
+ * threads, builds interleaved, medians of 2 x 64 steps) the 1.5B Q4_K_M at 2 KB 17.0-22.6 ms a step, 4 KB 16.1-16.9,
+ * 6 KB 15.1-17.1, 8 KB 15.0-15.6, 12 KB 15.4-16.0. */
+static int64_t g_kq_prefetch = 2048;
+void kq_set_prefetch_bytes(int64_t bytes) { g_kq_prefetch = bytes; }
+#define KQ_PREFETCH g_kq_prefetch
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KQ_ISA 3

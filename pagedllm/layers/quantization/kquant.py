@@ -55,7 +55,16 @@ KQUANT_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K})
 def get_lib() -> Optional[ctypes.CDLL]:
     """The ``kquant`` library (``kernels/csrc/kquant_cpu.c``) for the active ISA level, or None: level ``none``,
     ``PAGEDLLM_CPU_KERNELS=0`` or no compiler (then GGUF files load with the requantizations of ``gguf.py``)."""
-    return kernels.lib("kquant")
+    lib = kernels.lib("kquant")
+    if lib is not None:
+        want = kernels.config().kquant_prefetch
+        if _PREFETCH.get(id(lib)) != want:  # the active config's prefetch distance, once per library and value
+            lib.kq_set_prefetch_bytes(want)
+            _PREFETCH[id(lib)] = want
+    return lib
+
+
+_PREFETCH: dict[int, int] = {}  # id(library) -> the prefetch distance it was given (bytes)
 
 
 @dataclass
