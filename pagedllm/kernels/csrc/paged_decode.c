@@ -137,7 +137,8 @@ static inline __m512 reduce16(const __m512* a) {
 
 /* One task: request `r`, KV heads [h0, h1). Tokens are visited 16 at a time (a tile); a token's K rows for
  * consecutive KV heads are adjacent in the cache, so the task streams each block's memory in order. Per tile and
- * head, K is widened to float32 once into `ktile` and reused by the G query heads of the group. */
+ * head, K is widened to float32 once into `ktile` and reused by the G query heads of the group. Tokens [start, L) may
+ * be one partition (DECODE_PART): then `part` takes the partial records; prefetches run on to token Lpf - 1. */
 #define DEFINE_TASK_AVX512(NAME, T, LOADV, STORE)                                                             \
 static inline __attribute__((always_inline)) void NAME(                                                      \
         const T* q, const T* k_cache, const T* v_cache, const int64_t* bt, int L, int start, int64_t row,     \
@@ -367,7 +368,8 @@ static inline void pv_head(const uint16_t* v_cache, const int64_t* bt, int BS, i
  *   P.V per KV head (pv_head).
  * A query head's arithmetic is the same whichever heads share the task or its score tile (tested: alone vs among
  * others at every task split). s: G (h1 - h0) x ctx floats; acc: G (h1 - h0) x D floats, 64-byte aligned; qbuf:
- * (h1 - h0) x ND / 2 KB, 64-byte aligned (AMX only). */
+ * (h1 - h0) x ND / 2 KB, 64-byte aligned (AMX only). [start, L) may be one partition of a longer context (see
+ * DECODE_PART): `part` non-NULL takes its partial records instead of `out`; prefetches run on to token Lpf - 1. */
 static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* bt, int L,
                    int start, int64_t row, uint16_t* out, int H, int KVH, int h0, int h1, int G, int BS, float scale,
                    int64_t q_stride, const int ND, float* s, float* acc, uint32_t* qbuf, int amx, float* part,
