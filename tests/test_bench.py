@@ -11,8 +11,11 @@ import mmap
 import os
 import re
 
+import numpy as np
 import pytest
+import torch
 
+from pagedllm import kernels
 from pagedllm.benchmarks import compare as C
 from pagedllm.benchmarks.datasets import WORKLOADS, chat_prompts, load_shared_prefix, load_tokenizer, make_requests
 from pagedllm.benchmarks.serve import LATENCY_NAMES, METRIC_KEYS
@@ -284,6 +287,9 @@ def test_floor_limits_and_roofline():
     by = lim["mem_read_gb_per_s_by_pages"]  # ordinary pages, and huge pages where the OS has them (our K-quants')
     assert "small" in by and ("huge" in by) == hasattr(mmap, "MADV_HUGEPAGE")
     assert lim["mem_read_gb_per_s"] == max(by.values())
+    probes = lim["mem_read_gb_per_s_by_probe"]  # torch's sum and, with the C library, our streaming read
+    assert lim["mem_read_gb_per_s"] == max(probes.values()) and "torch.sum" in probes
+    assert any(k.startswith("stream_read") for k in probes) == kernels.config().native
     s = model_shapes()
     rows = [{"batch_size": 1, "weight_bytes": 270e6, "step_ms_median": 20.0},
             {"batch_size": 100000, "weight_bytes": 270e6, "step_ms_median": 20.0}]
@@ -291,6 +297,18 @@ def test_floor_limits_and_roofline():
     assert rows[0]["roofline_bound"] == "memory" and abs(rows[0]["roofline_ms"] - 270e6 / 45e9 * 1e3) < 1e-9
     assert rows[1]["roofline_bound"] == "compute" and rows[1]["roofline_ms"] > rows[0]["roofline_ms"]
     assert rows[0]["matmul_vs_roofline"] == 20.0 / rows[0]["roofline_ms"]
+
+
+def test_stream_read_reads_every_byte():
+    """The floor's C read probe sums the buffer as 64-bit words (modulo 2^64), every thread its own share, at any
+    prefetch distance: the same total as numpy's, so every byte was read."""
+    lib = kernels.lib("cpu")
+    if lib is None:
+        pytest.skip("no C library at this level")
+    buf = torch.randint(0, 2**62, ((5 << 20) // 8,), dtype=torch.int64)
+    want = int(buf.numpy().view(np.uint64).sum(dtype=np.uint64))
+    for ahead in (0, 2048, 1 << 20):
+        assert lib.stream_read(buf.data_ptr(), buf.numel() * 8, ahead) == want
 
 
 # ------------------------------------------------------------------------------------------------ compare

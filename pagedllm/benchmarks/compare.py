@@ -715,11 +715,16 @@ def quant_memory_floor_ms(runs: list[Run]) -> Optional[float]:
 
 
 def _pages_note(lim: dict) -> str:
-    """" (4 KiB pages A GB/s, huge pages B GB/s)" where both were measured, else ""."""
-    by = lim.get("mem_read_gb_per_s_by_pages") or {}
-    if len(by) < 2:
-        return ""
-    return f" (the better of 4 KiB pages {by['small']:.1f} GB/s and huge pages {by['huge']:.1f} GB/s)"
+    """" (4 KiB pages A GB/s, huge pages B GB/s; torch's sum C GB/s, our streaming read D GB/s)" from what was
+    measured, else ""."""
+    by, probes = lim.get("mem_read_gb_per_s_by_pages") or {}, lim.get("mem_read_gb_per_s_by_probe") or {}
+    parts = []
+    if len(by) >= 2:
+        parts.append(f"the better of 4 KiB pages {by['small']:.1f} GB/s and huge pages {by['huge']:.1f} GB/s")
+    ours = max((v for k, v in probes.items() if k.startswith("stream_read")), default=None)
+    if ours is not None and "torch.sum" in probes:
+        parts.append(f"torch's sum {probes['torch.sum']:.1f} GB/s, our streaming read {ours:.1f} GB/s")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def floor_table(runs: list[Run]) -> str:

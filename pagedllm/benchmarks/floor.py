@@ -8,7 +8,8 @@ projections through ``torch.nn.functional.linear``, then the LM head on the last
     pagedllm bench floor --batch-size 1 32 [--dtype bfloat16] [--json]
 
 It also measures the machine's real limits (``measure_limits``): the GEMM peak (the best of large bf16 matmuls, the
-issue-17 shapes 2048^3 and 2048 x 576 x 1536) and the memory read bandwidth (a sum over a 512 MB buffer), and gives
+issue-17 shapes 2048^3 and 2048 x 576 x 1536) and the memory read bandwidth (the best read of a 512 MB buffer:
+torch's sum, or our C streaming read with prefetch, as the decode kernels read their weights), and gives
 each batch's roofline floor from them: ``max(weight bytes / bandwidth, 2 * parameters * batch / peak)``. Our own
 matmul calls are not the limit (at decode sizes they read the weights well under the bandwidth), so the roofline is
 the figure to compare an engine step with.
@@ -130,7 +131,8 @@ def measure_limits(dtype: str = "bfloat16", buffer_bytes: int = 512 << 20, gemm_
     """The machine's limits with the current torch threads: ``gemm_peak_gflops`` (best over ``gemm_sizes``, M x K x N
     matmuls in ``dtype``, and in float32 too: a bf16 matmul can run at the float32 FMA rate with the same bits, as
     the dpbf16 kernel's FMA path does where VDPBF16PS is the slower one; ``gemm_peak_dtype`` says which won) and
-    ``mem_read_gb_per_s`` (best sum over a ``buffer_bytes`` float32 buffer, which reads it once; the better of
+    ``mem_read_gb_per_s`` (the best read of a ``buffer_bytes`` buffer, once per pass: torch's sum, or our C streaming
+    read at a few prefetch distances (``stream_read_rates``), each in ``mem_read_gb_per_s_by_probe``; the better of
     ordinary 4 KiB pages and huge pages where the OS grants them, each in ``mem_read_gb_per_s_by_pages``)."""
     import torch
 
@@ -160,7 +162,7 @@ def measure_limits(dtype: str = "bfloat16", buffer_bytes: int = 512 << 20, gemm_
                         best_flops, best_dtype = flops, name
         from pagedllm.utils.hugepages import advised_mapping
 
-        bws = {}
+        bws, by_probe = {}, {}
         for pages in ("small", "huge"):
             if pages == "small":
                 buf = torch.ones(buffer_bytes // 4, dtype=torch.float32)
@@ -171,18 +173,46 @@ def measure_limits(dtype: str = "bfloat16", buffer_bytes: int = 512 << 20, gemm_
                 buf = raw[: buffer_bytes // 4 * 4].view(torch.float32)
                 buf.fill_(1.0)
             buf.sum()
-            bws[pages] = 0.0
+            sum_bw = 0.0
             for _ in range(reps):
                 t0 = time.perf_counter()
                 buf.sum()
-                bws[pages] = max(bws[pages], buf.numel() * 4 / (time.perf_counter() - t0))
+                sum_bw = max(sum_bw, buf.numel() * 4 / (time.perf_counter() - t0))
+            rates = {"torch.sum": sum_bw, **{f"stream_read {a} B ahead": bw for a, bw in stream_read_rates(buf, reps).items()}}
+            for k, v in rates.items():
+                by_probe[k] = max(by_probe.get(k, 0.0), v)
+            bws[pages] = max(rates.values())
             del buf
         best_bw = max(bws.values())
     return {"gemm_peak_gflops": best_flops / 1e9, "gemm_peak_dtype": best_dtype, "mem_read_gb_per_s": best_bw / 1e9,
             "mem_read_gb_per_s_by_pages": {k: v / 1e9 for k, v in bws.items()},
+            "mem_read_gb_per_s_by_probe": {k: v / 1e9 for k, v in by_probe.items()},
             "gemm_probe_gflops": {n: f / 1e9 for n, f in probe.items()},
             "gemm_sizes": [list(s) for s in gemm_sizes], "buffer_bytes": buffer_bytes,
             "torch_threads": torch.get_num_threads()}
+
+
+def stream_read_rates(buf, reps: int = 5, aheads=(0, 2048, 8192)) -> dict:
+    """Bytes/s of the C streaming read (``stream_read`` in kernels/csrc/cpu_ops.c: every thread one contiguous share,
+    prefetching ``ahead`` bytes ahead, as our decode kernels stream their weights) over the contiguous tensor ``buf``,
+    best of ``reps``, for each of ``aheads``; {} where the C library doesn't load (level none). torch's sum is not
+    always the machine's best read (an AMD EPYC Zen 5: 49 GB/s, while the K-quant GEMV streamed 59 GB/s)."""
+    from pagedllm import kernels
+
+    lib = kernels.lib("cpu")
+    if lib is None:
+        return {}
+    n = buf.numel() * buf.element_size() // 64 * 64
+    out = {}
+    for ahead in aheads:
+        lib.stream_read(buf.data_ptr(), n, ahead)
+        best = 0.0
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            lib.stream_read(buf.data_ptr(), n, ahead)
+            best = max(best, n / (time.perf_counter() - t0))
+        out[ahead] = best
+    return out
 
 
 def num_matmul_params(shapes: dict) -> int:

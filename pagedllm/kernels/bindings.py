@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+P, I32, I64, U64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "rope_cache_bf16": _ROPE, "rope_cache_f32": _ROPE,
         "argmax_rows_f32": _ROWS, "argmax_rows_bf16": _ROWS, "silu_mul_bf16": _ROWS, "silu_mul_f32": _ROWS,
         "apply_token_bitmask_f32": Fn((P, I64, P, I64, P, I64, I64)),
+        "stream_read": Fn((P, I64, I64), U64),
     }, _FAST_MATH),
     Library("amx", ("amx_linear.c", "amx_attention.c"), ("amx",), {
         "amx_supported": Fn((), I32),
