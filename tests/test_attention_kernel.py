@@ -230,25 +230,32 @@ def test_decode_alone_equals_among_others_across_the_head_split(dtype, H, KVH, D
     seq_lens = torch.tensor([200, 17, 5, 64, 99, 1], dtype=torch.int64)
     block_tables = (torch.randperm(NB - 1)[: n * 13] + 1).view(n, 13).contiguous()
     q = torch.randn(n, H, D).to(dtype)
+    _alone_equals_together_at_1_to_3_threads(q, k_cache, v_cache, block_tables, seq_lens, None)
+
+
+def _alone_equals_together_at_1_to_3_threads(q, k_cache, v_cache, block_tables, seq_lens, window):
+    """Each request's output the same bits alone (rows r..r of the same tensors) as among all of them, at 1, 2 and 3
+    threads, the three runs equal, and within bound of float64."""
+    n, H, D = q.shape
     scale = 1 / math.sqrt(D)
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            together = torch.zeros(n, H, D, dtype=dtype)
-            assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, together, scale, None)
-            for r in range(n):  # alone: rows r..r of the same tensors
-                alone = torch.zeros(1, H, D, dtype=dtype)
+            together = torch.zeros(n, H, D, dtype=q.dtype)
+            assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, together, scale, window)
+            for r in range(n):
+                alone = torch.zeros(1, H, D, dtype=q.dtype)
                 assert cpu_kernels.paged_decode(q[r : r + 1], k_cache, v_cache, block_tables[r : r + 1],
-                                                seq_lens[r : r + 1], None, alone, scale, None)
+                                                seq_lens[r : r + 1], None, alone, scale, window)
                 assert torch.equal(alone[0], together[r]), (threads, r)
             outs.append(together)
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(o, outs[0]) for o in outs)
-    ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, None)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, window)
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0].double(), ref, atol=tol, rtol=tol)
 
 
@@ -268,23 +275,4 @@ def test_decode_long_context_partitions(dtype, H, KVH, D, window):
     n = len(seq_lens)
     block_tables = (torch.randperm(NB - 1)[: n * max_blocks] + 1).view(n, max_blocks).contiguous()
     q = (torch.randn(n, H, D) * 3).to(dtype)  # sharper softmax: partitions with very different maxima
-    scale = 1 / math.sqrt(D)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            together = torch.zeros(n, H, D, dtype=dtype)
-            assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, together, scale, window)
-            for r in range(n):
-                alone = torch.zeros(1, H, D, dtype=dtype)
-                assert cpu_kernels.paged_decode(q[r : r + 1], k_cache, v_cache, block_tables[r : r + 1],
-                                                seq_lens[r : r + 1], None, alone, scale, window)
-                assert torch.equal(alone[0], together[r]), (threads, r)
-            outs.append(together)
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(o, outs[0]) for o in outs)
-    ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, window)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(outs[0].double(), ref, atol=tol, rtol=tol)
+    _alone_equals_together_at_1_to_3_threads(q, k_cache, v_cache, block_tables, seq_lens, window)
