@@ -148,7 +148,6 @@ def test_prefetch_distance_changes_no_bit(qtype):
     import dataclasses
 
     from pagedllm import kernels
-    from pagedllm.layers.quantization import kquant
 
     k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 256
     w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 150, k, seed=7))).tiled()
@@ -162,7 +161,7 @@ def test_prefetch_distance_changes_no_bit(qtype):
                 ys.append(kquant_linear(x, [w], torch.float32))
     finally:
         lib.kq_set_prefetch_bytes = real
-        kquant._PREFETCH.clear()  # the next call gives the library the active config's distance again
+        kernels.set_value(lib, "kq_set_prefetch_bytes", kernels.config().kquant_prefetch)  # back to the config's
     assert calls == [32, 2048, 65536]
     assert all(torch.equal(y, ys[0]) for y in ys)
 

@@ -175,7 +175,7 @@ def test_int4_gemv_prefetch_distance_changes_no_bit():
                 outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
     finally:
         lib.int4_set_prefetch_bytes = real
-        cpu_kernels._PREFETCH.clear()  # the next call gives the library the active config's distance again
+        kernels.set_value(lib, "int4_set_prefetch_bytes", kernels.config().int4_prefetch)  # back to the config's
     assert calls == [32, 2048, 65536]
     assert all(torch.equal(o, outs[0]) for o in outs)
 

@@ -23,7 +23,7 @@ from pagedllm.kernels.config import (LEVELS, KernelConfig, check_level, cpu_flag
                                      level_environ, supported_levels)
 
 __all__ = ["LEVELS", "KernelConfig", "check_level", "config", "cpu_flags", "detect_level", "level_at_least",
-           "level_environ", "lib", "load", "set_config", "supported_levels", "use"]
+           "level_environ", "lib", "load", "set_config", "set_value", "supported_levels", "use"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,3 +129,15 @@ def lib(name: str) -> Optional[ctypes.CDLL]:
         found = load(name, cfg.level)
     _active_libs[name] = found
     return found
+
+
+_given: dict[tuple[int, str], int] = {}  # (id(library), setter) -> the value it was given
+
+
+def set_value(library: ctypes.CDLL, setter: str, value: int) -> None:
+    """Calls ``library.<setter>(value)`` (a library-wide setting taken from the ``KernelConfig``, e.g. a prefetch
+    distance) unless that library already has ``value``: callers pass the active config's value on every lookup."""
+    key = (id(library), setter)
+    if _given.get(key) != value:
+        getattr(library, setter)(value)
+        _given[key] = value

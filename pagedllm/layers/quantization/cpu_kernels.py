@@ -18,19 +18,8 @@ def get_lib() -> Optional[ctypes.CDLL]:
     lib = kernels.lib("int4")
     if lib is not None:
         _sync_amx(lib)
-        _sync_prefetch(lib)
+        kernels.set_value(lib, "int4_set_prefetch_bytes", kernels.config().int4_prefetch)
     return lib
-
-
-_PREFETCH: dict[int, int] = {}  # id(library) -> the prefetch distance it was given (bytes)
-
-
-def _sync_prefetch(lib: ctypes.CDLL) -> None:
-    """Gives ``lib`` the active ``KernelConfig``'s int4 prefetch distance (once per library and value)."""
-    want = kernels.config().int4_prefetch
-    if _PREFETCH.get(id(lib)) != want:
-        lib.int4_set_prefetch_bytes(want)
-        _PREFETCH[id(lib)] = want
 
 
 _AMX: dict[int, tuple[bool, int]] = {}  # id(library) -> (AMX-INT8 path wanted, the fewest rows it takes; 0: off)

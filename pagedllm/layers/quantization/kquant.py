@@ -57,14 +57,8 @@ def get_lib() -> Optional[ctypes.CDLL]:
     ``PAGEDLLM_CPU_KERNELS=0`` or no compiler (then GGUF files load with the requantizations of ``gguf.py``)."""
     lib = kernels.lib("kquant")
     if lib is not None:
-        want = kernels.config().kquant_prefetch
-        if _PREFETCH.get(id(lib)) != want:  # the active config's prefetch distance, once per library and value
-            lib.kq_set_prefetch_bytes(want)
-            _PREFETCH[id(lib)] = want
+        kernels.set_value(lib, "kq_set_prefetch_bytes", kernels.config().kquant_prefetch)
     return lib
-
-
-_PREFETCH: dict[int, int] = {}  # id(library) -> the prefetch distance it was given (bytes)
 
 
 @dataclass
