@@ -178,7 +178,8 @@ def measure_limits(dtype: str = "bfloat16", buffer_bytes: int = 512 << 20, gemm_
                 t0 = time.perf_counter()
                 buf.sum()
                 sum_bw = max(sum_bw, buf.numel() * 4 / (time.perf_counter() - t0))
-            rates = {"torch.sum": sum_bw, **{f"stream_read {a} B ahead": bw for a, bw in stream_read_rates(buf, reps).items()}}
+            rates = {"torch.sum": sum_bw}
+            rates.update((f"stream_read {a} B ahead", bw) for a, bw in stream_read_rates(buf, reps).items())
             for k, v in rates.items():
                 by_probe[k] = max(by_probe.get(k, 0.0), v)
             bws[pages] = max(rates.values())

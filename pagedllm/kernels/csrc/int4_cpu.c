@@ -60,7 +60,8 @@ static inline __attribute__((always_inline)) void prefetch_scales(const uint16_t
         for (int i = 0; i < 4; i++)
             _mm_prefetch((const char *)(sz + (g * N_pad + 64 * (b + SZ_AHEAD)) * 2 + 32 * i), _MM_HINT_T0);
     if (g + 1 < n_groups)
-        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++)
+            _mm_prefetch((const char *)(sz + ((g + 1) * N_pad + 64 * b) * 2 + 32 * i), _MM_HINT_T0);
 }
 #endif
 
