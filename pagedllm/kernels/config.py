@@ -56,8 +56,11 @@ def cpu_flags() -> frozenset:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
 def cpu_vendor() -> str:
-    """``/proc/cpuinfo``'s ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``, ...), or "" if unreadable."""
+    """``/proc/cpuinfo``'s ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``, ...), or "" if unreadable. Read once:
+    ``KernelConfig.int4_prefetch`` / ``kquant_prefetch`` ask for it on every library lookup of a config made without
+    ``from_env`` (whose distances are 0, the CPU's default)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
