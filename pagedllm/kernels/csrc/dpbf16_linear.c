@@ -60,12 +60,48 @@
 
 #define UNIT_ROWS 96                    /* rows of one work unit: 96 x K bf16 stays in L2 with a weight block */
 #define UNIT_WEIGHT_BYTES (256 * 1024)  /* weights of one work unit (at most) when M > UNIT_ROWS, bytes */
-#define KC 128                          /* K pairs of one pass over the rows: 16 KB of a block's weights */
-/* Weights prefetched this many K pairs ahead (8 KB of a 64-column block), into L2 (T1): an L1 prefetch holds a line
+#define KC 128                          /* K pairs of one pass over the rows: 32 KB of a 64-column block's weights */
+/* Weights prefetched this many K pairs ahead (16 KB of a 64-column block), into L2 (T1): an L1 prefetch holds a line
  * fill buffer until the line arrives, and ~16 per core cap the stream (as in amx_linear.c). SmolLM2's 120 linears of
  * a step at level avx512_bf16 on the Xeon (interleaved): T0 -> T1 at 1 row 8.5-8.9 -> 7.4-7.8 ms, 8 rows 14.0-14.2
- * -> 11.6-11.8, 16 rows 21.5 -> 18.5-18.9; 32-64 rows (VDPBF16PS-bound) within noise. Not measured on a Zen 4. */
+ * -> 11.6-11.8, 16 rows 21.5 -> 18.5-18.9; 32-64 rows (VDPBF16PS-bound) within noise. */
 #define PF_PAIRS 64
+/* From this many row blocks on, the passes prefetch the next chunk instead (see pf_plan). */
+#define PF_CHUNK_ROW_BLOCKS 4
+
+/* Which weight lines (64 bytes: one vector of one K pair) a pass over a row block prefetches, one pair at a time.
+ * Every pass prefetches, not only the first (a prefetch dropped when the line fill buffers are full is asked again).
+ * - Fewer than PF_CHUNK_ROW_BLOCKS row blocks (q == 0): the pair PF_PAIRS ahead, its nv lines.
+ * - More: the next KC-pair chunk, its lines dealt round-robin over the nrb passes (pass j, its i-th pair: lines
+ *   (i * stride + off + t), t < q, below `limit`, from `base`), so the reads go on the whole time the chunk is
+ *   computed. Prefetching in the first pass alone left memory idle in the others and stalled the first: on a Zen 5
+ *   (2 threads) the 1.5B model's four layer shapes ran at 24-64 rows at 660-810 GFLOP/s against 920-990 on
+ *   cache-resident weights; with this, 760-930 (M 16 562 -> 625, 24 657 -> 760, 32 676 -> 799, 64 809 -> 931;
+ *   1-8 rows unchanged; 4 or more passes: 2-3 passes did better on the old plan, measured interleaved). */
+typedef struct {
+    const uint16_t *base;
+    int q, stride, off;
+    int64_t limit;
+} pf_plan;
+
+/* The plan of pass j of nrb over pairs [p0, p1) of the block whose weights start at wb. */
+static inline pf_plan plan(const uint16_t *wb, int nv, int64_t p0, int64_t p1, int j, int nrb) {
+    if (nrb < PF_CHUNK_ROW_BLOCKS) return (pf_plan){wb + (p0 + PF_PAIRS) * nv * 32, 0, nv, 0, INT64_MAX};
+    const int q = (nv + nrb - 1) / nrb;
+    return (pf_plan){wb + p1 * nv * 32, q, nrb * q, j * q, (int64_t)KC * nv};
+}
+
+/* Prefetch (into L2) what the plan gives the pass's i-th pair. Past the block's end is the next block's weights;
+ * past the matrix, harmless (a prefetch never faults). */
+static inline __attribute__((always_inline)) void prefetch_pair(const pf_plan *pf, int64_t i, const int nv) {
+    if (pf->q == 0) {
+        for (int v = 0; v < nv; v++) __builtin_prefetch(pf->base + 32 * (i * nv + v), 0, 2);
+        return;
+    }
+    const int64_t l0 = i * pf->stride + pf->off;
+    for (int t = 0; t < pf->q; t++)
+        if (l0 + t < pf->limit) __builtin_prefetch(pf->base + 32 * (l0 + t), 0, 2);
+}
 
 static int fma_min_rows = 0; /* AVX-512: rows from which the FMA path runs (dpbf16_tune), 0: never */
 
@@ -115,8 +151,8 @@ static inline __attribute__((always_inline)) void emit_rows(__m512 acc[MR][4], c
 static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, const float *xf, int64_t K,
                                                                const uint16_t *wb, const int nv, const int mr,
                                                                int64_t p0, int64_t p1, float *ab, int first,
-                                                               int last, int pf, const float *bias, void *out,
-                                                               int64_t ldo, int64_t N, int64_t b, int mode) {
+                                                               int last, const pf_plan *pf, const float *bias,
+                                                               void *out, int64_t ldo, int64_t N, int64_t b, int mode) {
     __m512 acc[MR][4];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(ab + 64 * r + 16 * v);
@@ -125,9 +161,7 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
         _mm_setcsr(csr | 0x8040); /* DAZ (bit 6) + FTZ (bit 15), as VDPBF16PS */
         const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
         for (int64_t p = p0; p < p1; p++) {
-            if (pf)
-                for (int v = 0; v < nv; v++)
-                    _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T1);
+            prefetch_pair(pf, p - p0, nv);
             /* two vectors at a time (4 weight registers + 24 accumulators + 2 broadcasts); the opaque row pointer
              * keeps the compiler from holding all 12 broadcasts across them (register moves, measured slower) */
             for (int v = 0; v < nv; v += 2) {
@@ -153,9 +187,7 @@ static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x,
     for (int64_t p = p0; p < p1; p++) {
         __m512i w[4];
         for (int v = 0; v < nv; v++) w[v] = _mm512_loadu_si512((const void *)(wb + (p * nv + v) * 32));
-        if (pf) /* the first pass over these weights: fetch ahead (past the block's end: the next block's) */
-            for (int v = 0; v < nv; v++)
-                _mm_prefetch((const char *)(wb + ((p + PF_PAIRS) * nv + v) * 32), _MM_HINT_T1);
+        prefetch_pair(pf, p - p0, nv);
         for (int r = 0; r < mr; r++) {
             int32_t xp;
             memcpy(&xp, x + r * K + 2 * p, 4);
@@ -260,8 +292,8 @@ static inline __attribute__((always_inline)) void kernel_rows_part(const uint16_
 static inline __attribute__((always_inline)) void kernel_rows(const uint16_t *x, const float *xf, int64_t K,
                                                                const uint16_t *wb, const int nv, const int mr,
                                                                int64_t p0, int64_t p1, float *ab, int first,
-                                                               int last, int pf, const float *bias, void *out,
-                                                               int64_t ldo, int64_t N, int64_t b, int mode) {
+                                                               int last, const pf_plan *pf, const float *bias,
+                                                               void *out, int64_t ldo, int64_t N, int64_t b, int mode) {
     (void)pf;
     if (mr == 1) {
         kernel_rows_part(x, NULL, K, wb, nv, 0, nv, 1, p0, p1, ab, first, last, bias, out, ldo, N, b, mode);
@@ -287,7 +319,8 @@ static __attribute__((noinline)) void row_sums(const uint16_t *x, int64_t p0, in
     }
 }
 static void kernel_rows(const uint16_t *x, const float *xf, int64_t K, const uint16_t *wb, const int nv, const int mr,
-                        int64_t p0, int64_t p1, float *ab, int first, int last, int pf, const float *bias, void *out,
+                        int64_t p0, int64_t p1, float *ab, int first, int last, const pf_plan *pf,
+                        const float *bias, void *out,
                         int64_t ldo, int64_t N, int64_t b, int mode) {
     (void)pf;
     (void)xf;
@@ -339,7 +372,8 @@ static void block_rows(const uint16_t *x, const float *xf, int64_t m0, int64_t m
         const float *xfm = xf ? xf + m * K : NULL;
         void *om = (char *)out + m * ldo * esz;
         float *am = ab + (m - m0) * 64;
-#define KR(NV, R) kernel_rows(xm, xfm, K, wb, NV, R, p0, p1, am, first, last, m == m0, bias, om, ldo, N, b, mode)
+        const pf_plan pf = plan(wb, nv, p0, p1, (int)((m - m0) / MR), (int)((m1 - m0 + MR - 1) / MR));
+#define KR(NV, R) kernel_rows(xm, xfm, K, wb, NV, R, p0, p1, am, first, last, &pf, bias, om, ldo, N, b, mode)
 #define KNV(R) \
     if (nv == 4) KR(4, R); else KR(2, R);
         switch (mr) {
