@@ -258,20 +258,32 @@ DEFINE_TASK_AVX512(task_f32, float, load16_f32, f32_id)
  *
  * Memory: a token's K (and V) rows of all KV heads are adjacent in the cache, so the score pass walks a request's
  * context 16 tokens at a time across all the task's heads (one run of memory per block). Each KV block is a jump the
- * hardware prefetcher can't follow, so rows are prefetched in software: the next tile's K rows into L1, a few lines
- * after each piece of the score pass (one Q^T tile product, or one query head's 16 dots), and each head's V row
- * V_PREFETCH_TOKENS ahead into L2 token by token during P.V. Prefetches issued in bursts stall the core once the line
- * fill buffers are full, and then nothing overlaps the memory wait; spread among the arithmetic they keep both going.
+ * hardware prefetcher can't follow, so rows are prefetched in software: K rows K_PREFETCH_BYTES ahead (of the task's
+ * heads: at least 16 tokens) into L1, 16 rows a tile, a few lines after each piece of the score pass (one Q^T tile
+ * product, or one query head's 16 dots), and each head's V row V_PREFETCH_BYTES ahead (at least 32 tokens) into L2
+ * token by token during P.V. Prefetches issued in bursts stall the core once the line fill buffers are full, and then
+ * nothing overlaps the memory wait; spread among the arithmetic they keep both going.
  * Measured (Xeon, AMX, 2 threads, random block tables, one layer's call, medians of interleaved runs), against the
  * per-head passes this replaces: SmolLM2's heads (9 on 3, head_dim 64) x 32 requests x 160 tokens ~190 -> ~175 us;
  * Qwen2.5-0.5B's (14 on 2, 64; the float32-widening task before) 230 -> 132 us; Qwen2.5-1.5B's (12 on 2, 128) x 8 x
  * 1,000 tokens 745 -> 475 us; Gemma 3's (4 on 1, 256) unchanged. At level avx512_bf16 (vdpbf16ps scores) the same
- * shapes: ~205 -> ~180, 225 -> 185, 750 -> 550 us. Distances of 16, 32 and 64 tokens measured within noise of each
- * other; V prefetched in the score pass in one burst per tile 7-16% slower, K in one burst per tile 0-10% (AMX) and
- * 13-17% (vdpbf16ps) slower.
+ * shapes: ~205 -> ~180, 225 -> 185, 750 -> 550 us. V prefetched in the score pass in one burst per tile 7-16% slower,
+ * K in one burst per tile 0-10% (AMX) and 13-17% (vdpbf16ps) slower.
+ * The distances in bytes, not tokens: they were 16 K and 32 V tokens, which is 6 KB of K when a task holds all of
+ * SmolLM2's 3 KV heads (requests >= 2 x threads) but 2 KB when it holds one (fewer requests: one task a KV head).
+ * AMD EPYC Zen 5 (2 threads, level avx512_bf16, contiguous block tables, one layer's call, interleaved), SmolLM2's
+ * heads, one request at 150 / 250 / 1,000 tokens: 11.3 / 15.2 / 42.3 -> 10.3 / 12.9 / 34.6 us, 2 x 500 tokens 39.5
+ * -> 31.4 us, 4-32 requests within 3%; Qwen2.5-1.5B's, one request at 1,000 tokens 50.9 -> 47.6 us, 8-16 requests
+ * within 3%; Gemma 3's unchanged. As many tokens at T1 (into L2) instead of T0 were 3-8% slower at 16-32 requests.
  */
-#define K_PREFETCH_TOKENS 16
-#define V_PREFETCH_TOKENS 32
+#define K_PREFETCH_BYTES 6144
+#define V_PREFETCH_BYTES 8192
+
+/* Tokens ahead that `bytes` of rows of `row_bytes` each make, at least `least`. */
+static inline int prefetch_tokens(int bytes, int row_bytes, int least) {
+    const int t = (bytes + row_bytes - 1) / row_bytes;
+    return t < least ? least : t;
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* AMX score pass: see dp_req. On only when the process holds the AMX tile state (paged_decode_use_amx, set from
@@ -322,11 +334,12 @@ static inline __attribute__((always_inline)) void pv_span(
     const int D = ND * 16, NP = ND / 2;
     __m512 a[24];
     for (int i = 0; i < GC * ND; ++i) a[i] = _mm512_setzero_ps();
-    int pb = (start + V_PREFETCH_TOKENS) / BS, po = (start + V_PREFETCH_TOKENS) % BS;
+    const int vpt = prefetch_tokens(V_PREFETCH_BYTES, D * 2, 32);
+    int pb = (start + vpt) / BS, po = (start + vpt) % BS;
     for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {
         const uint16_t* vp = v_cache + (bt[b] * BS + o) * row_elems + (int64_t)kh * D;
         if (++o == BS) { o = 0; ++b; }
-        if (t + V_PREFETCH_TOKENS < Lpf) { /* this head's V row ahead, to L2: one row a token, among the FMAs */
+        if (t + vpt < Lpf) { /* this head's V row ahead, to L2: one row a token, among the FMAs */
             const char* pv = (const char*)(v_cache + (bt[pb] * BS + po) * row_elems + (int64_t)kh * D);
             if (++po == BS) { po = 0; ++pb; }
             for (int c = 0; c < D * 2; c += 64) _mm_prefetch(pv + c, _MM_HINT_T1);
@@ -399,7 +412,8 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 #endif
     const int pf_pieces = amx ? NH * NP : GH; /* Q^T tile products, or query heads, of a tile's score pass */
     int cb = start / BS, co = start % BS;
-    int pb = (start + K_PREFETCH_TOKENS) / BS, po = (start + K_PREFETCH_TOKENS) % BS;
+    const int kpt = prefetch_tokens(K_PREFETCH_BYTES, NH * D * 2, 16);
+    int pb = (start + kpt) / BS, po = (start + kpt) % BS;
     for (int t0 = start; t0 < L; t0 += 16) {
         const int nt = L - t0 < 16 ? L - t0 : 16;
         const __mmask16 km = (__mmask16)((1u << nt) - 1u);
@@ -411,7 +425,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
         /* the next tile's K rows, to L1, a few lines after each piece of this tile's score work (PF_LINES) */
         const char* pfrow[16];
         int npf = 0, pfi = 0, pfc = 0;
-        for (int i = 0; i < 16 && t0 + K_PREFETCH_TOKENS + i < Lpf; ++i) {
+        for (int i = 0; i < 16 && t0 + kpt + i < Lpf; ++i) {
             pfrow[npf++] = (const char*)(k_cache + (bt[pb] * BS + po) * row_elems + (int64_t)h0 * D);
             if (++po == BS) { po = 0; ++pb; }
         }
