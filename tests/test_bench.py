@@ -819,3 +819,32 @@ def test_compare_speculative_section(tmp_path, monkeypatch):
     assert f"<!-- section: {key}/speculative -->" in text and text.count("<!-- section: ") == 2
     assert text.startswith(before.rstrip("\n"))  # the main section as it was
     assert "spec_draft_model / llama.cpp: server did not start: boom" in text
+
+
+def test_server_stop_waits_for_the_whole_process_group(tmp_path):
+    """A server whose leader exits on SIGTERM while a child of its group ignores it (as vLLM's worker outlives its
+    API process): stop() returns only once no process of the group is running (the child killed after the
+    timeout), so the next engine's run doesn't share the cores with it."""
+    import subprocess
+    import sys
+    import time
+
+    from pagedllm.benchmarks import peers
+
+    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    leader = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
+    server = peers.ServerProcess("fake", [], 0, str(tmp_path / "log"), proc=proc)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # both processes up
+        members = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if len(members) == 2:
+            break
+        time.sleep(0.05)
+    assert peers._group_alive(proc.pid)
+    t0 = time.monotonic()
+    server.stop(timeout=1.0)
+    assert time.monotonic() - t0 >= 0.9  # it waited for the child that ignored SIGTERM ...
+    assert not peers._group_alive(proc.pid)  # ... and killed it
+    assert proc.poll() is not None
