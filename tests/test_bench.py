@@ -405,6 +405,28 @@ def test_compare_ratio_table_and_results_md(tmp_path):
     assert "ISA level avx512_bf16 (capped; the CPU's best: amx)" in three
 
 
+def test_compare_records_and_shows_the_hosts_read_bandwidth(tmp_path, monkeypatch):
+    """Each benchmark run is bracketed by a host read-bandwidth probe (a real one: positive, finite), shown next to the
+    run in the details and the command list, and the section says how far it moved."""
+    import sys
+
+    probe = C.probe_read()
+    assert probe is not None and 0.1 < probe < 10_000  # GB/s of a real read
+    out = tmp_path / "r.json"
+    run = C._run_json("single", "pagedllm", [sys.executable, "-c", f"open({str(out)!r}, 'w').write('{{}}')"],
+                      str(out), 60, str(tmp_path / "log"))
+    assert run.ok and len(run.host_read) == 2 and all(0.1 < v < 10_000 for v in run.host_read)
+    runs = _fake_runs()
+    for r, reads in zip(runs, ([80.0, 79.0], [31.0, 25.0], [50.0, 50.0])):
+        r.host_read = reads
+    single = next(r for r in runs if r.section == "single" and r.engine == "pagedllm")
+    single.host_read = [82.4, 54.2]
+    assert "| 82 -> 54 GB/s |" in C.detail_tables(runs)
+    assert C._fmt_read([]) == "—" and C._fmt_read([None, 3.0]) == "—"
+    note = C._read_range_note(runs)
+    assert "between 25 and 82 GB/s" in note and C._read_range_note(_fake_runs()) == ""
+
+
 def test_machine_info_names_the_level_the_runs_use(monkeypatch):
     """``machine_info`` reports the level in effect (``PAGEDLLM_CPU_ISA`` below the CPU's: both named)."""
     from pagedllm.benchmarks import peers as P

@@ -65,6 +65,7 @@ class Run:
     error: str = ""
     seconds: float = 0.0
     env: dict = field(default_factory=dict)
+    host_read: list = field(default_factory=list)  # the host's read bandwidth before and after, GB/s (probe_read)
 
 
 def _cli(*args: str) -> list[str]:
@@ -84,6 +85,7 @@ def _pretty(cmd: list[str], env: Optional[dict] = None) -> str:
 def _run_json(section: str, engine: str, cmd: list[str], out_json: str, timeout: float, log_path: str,
               env: Optional[dict] = None, env_note: Optional[dict] = None) -> Run:
     run = Run(section, engine, _pretty(cmd, env_note), env=env_note or {})
+    before = probe_read()
     t0 = time.perf_counter()
     print(f"[compare] {section}/{engine}: {run.command}", flush=True)
     with open(log_path, "w") as log:
@@ -105,8 +107,37 @@ def _run_json(section: str, engine: str, cmd: list[str], out_json: str, timeout:
     finally:
         if proc.poll() is None:
             _kill_group(proc)
-    print(f"[compare]   -> {'ok' if run.ok else 'FAILED ' + run.error[-300:]} ({run.seconds:.0f} s)", flush=True)
+    run.host_read = [before, probe_read()]
+    print(f"[compare]   -> {'ok' if run.ok else 'FAILED ' + run.error[-300:]} ({run.seconds:.0f} s; host read "
+          f"{_fmt_read(run.host_read)})", flush=True)
     return run
+
+
+def probe_read() -> Optional[float]:
+    """``floor.host_read_gb_per_s`` (None if it fails: a probe never fails a run)."""
+    try:
+        from pagedllm.benchmarks.floor import host_read_gb_per_s
+
+        return host_read_gb_per_s()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _read_range_note(runs: list[Run]) -> str:
+    """A sentence on how far the host's read bandwidth moved across the runs' probes ('' without probes)."""
+    reads = [v for r in runs for v in r.host_read if v is not None]
+    if not reads:
+        return ""
+    return (f" The host's memory read bandwidth, probed before and after each benchmark run (a 256 MB read; the "
+            f"details give each run's), moved between {min(reads):.0f} and {max(reads):.0f} GB/s during this one: "
+            "memory-bound figures (single-stream decode above all) measured at different times move with it.")
+
+
+def _fmt_read(host_read: list) -> str:
+    """'78 -> 54 GB/s' from a run's [before, after] probes ('—' without them)."""
+    if len(host_read) != 2 or None in host_read:
+        return "—"
+    return f"{host_read[0]:.0f} -> {host_read[1]:.0f} GB/s"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -809,8 +840,9 @@ def detail_tables(runs: list[Run]) -> str:
             continue  # a section this run did not measure
         out += ["", f"#### {title}", "",
                 "| server | ok/failed | duration s | req/s | output tok/s | TTFT mean/median/P99 ms | "
-                "TPOT mean/median/P99 ms | ITL mean/median/P99 ms | E2E mean/median/P99 ms |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "TPOT mean/median/P99 ms | ITL mean/median/P99 ms | E2E mean/median/P99 ms | host read before -> "
+                "after |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for eng, lv in levels:
             if not lv:
                 continue
@@ -818,6 +850,8 @@ def detail_tables(runs: list[Run]) -> str:
                      f"{lv['output_throughput']:.1f}"]
             for m in ("ttft", "tpot", "itl", "e2el"):
                 cells.append(f"{lv[f'mean_{m}_ms']:.0f} / {lv[f'median_{m}_ms']:.0f} / {lv[f'p99_{m}_ms']:.0f}")
+            run = next(r for r in runs if r.ok and r.section == section and r.engine == eng)
+            cells.append(_fmt_read(run.host_read))
             out.append(f"| {PEER_NAMES[eng]} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -895,7 +929,7 @@ def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions
         "",
         f"Written by `pagedllm bench compare` on {started} ({wall / 60:.1f} min). Model: {what}. "
         "All engines use the machine's 2 cores. The machine is shared, so absolute figures swing (±25% or more); "
-        "the ratios from one run are what counts.",
+        "the ratios from one run are what counts." + _read_range_note(runs),
         "",
         "### Ratios",
         "",
@@ -941,7 +975,8 @@ def results_section(ns, runs: list[Run], server_cmds: dict, info: dict, versions
     lines += ["```", "", "Benchmark runs (in order; `--base-url` is the server above):", "", "```"]
     for r in runs:
         if r.command:
-            lines.append(f"# {r.section} / {r.engine}: {'ok' if r.ok else 'FAILED'} ({r.seconds:.0f} s)")
+            read = f"; host read {_fmt_read(r.host_read)}" if r.host_read else ""
+            lines.append(f"# {r.section} / {r.engine}: {'ok' if r.ok else 'FAILED'} ({r.seconds:.0f} s{read})")
             lines.append(r.command)
     lines += ["```", ""]
     if failures:
