@@ -259,6 +259,38 @@ def test_bench_throughput_hf_peer(tmp_path):
     assert data["backend"] == "hf" and data["total_output_tokens"] == 9 and data["hf_batch_size"] == 2
 
 
+def test_bench_throughput_prompts_come_from_the_models_tokenizer(monkeypatch):
+    """Every backend builds its prompts with its own model's tokenizer (vLLM and HF took the bundled SmolLM2's, so
+    with another model they ran other prompts than ours): the same workload, token for token, whatever the backend
+    when the models share a tokenizer, and the model's tokenizer where it is not the default."""
+    import argparse
+
+    from pagedllm.benchmarks import throughput as T
+    from pagedllm.benchmarks.datasets import add_dataset_args
+
+    seen = {}
+
+    def fake_runner(ns, reqs):
+        seen[ns.backend] = [r.prompt_token_ids for r in reqs]
+        return {"elapsed_times": [1.0], "num_requests": len(reqs),
+                "total_output_tokens": sum(r.output_len for r in reqs)}
+
+    asked = []
+    real_load = T.load_tokenizer
+    monkeypatch.setattr(T, "load_tokenizer", lambda *a: asked.append(a) or real_load(*a))
+    for b in ("run_pagedllm", "run_hf", "run_vllm"):
+        monkeypatch.setattr(T, b, fake_runner)
+    for backend in ("pagedllm", "hf", "vllm"):
+        p = argparse.ArgumentParser()
+        add_dataset_args(p)
+        ns = p.parse_args(["--dataset-name", "mixed"])
+        ns.backend, ns.model, ns.tokenizer, ns.num_prompts, ns.max_model_len = backend, _gguf(), None, 4, 2048
+        ns.ignore_eos = True
+        T.run_throughput(ns)
+    assert all(a == (None, _gguf()) for a in asked) and len(asked) == 3
+    assert seen["pagedllm"] == seen["hf"] == seen["vllm"] and len(seen["vllm"]) == 4
+
+
 def _gguf() -> str:
     from pagedllm.model_files import default_model_path
 
