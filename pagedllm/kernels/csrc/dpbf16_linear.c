@@ -28,7 +28,8 @@
  * Compute: rows go in blocks of MR (6 on AVX-512: 6 rows x 4 vectors = 24 accumulators + 4 weight registers), the
  * weights of a column block are read once per row block (from L1/L2 after the first). Work units are (a range of
  * column blocks) x (up to UNIT_ROWS rows), taken dynamically by the OpenMP threads; at decode sizes (M <= UNIT_ROWS)
- * one contiguous range per thread, so each thread streams its weights in order.
+ * one contiguous range per thread, so each thread streams its weights in order (when the column blocks don't divide
+ * among the threads, from SPLIT_MIN_ROWS rows one block's rows are cut between two of them).
  * Requires N % 32 == 0 and K % 2 == 0 (the caller checks N % 32 and K % 32).
  */
 #include <math.h>
