@@ -534,11 +534,14 @@ def run_engine(ns, out_dir: str, runs: list[Run]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ tables
+def _find(runs: list[Run], section: str, engine: str) -> Optional[Run]:
+    """The first run of ``section`` / ``engine`` that succeeded."""
+    return next((r for r in runs if r.section == section and r.engine == engine and r.ok), None)
+
+
 def _get(runs: list[Run], section: str, engine: str) -> Optional[dict]:
-    for r in runs:
-        if r.section == section and r.engine == engine and r.ok:
-            return r.result
-    return None
+    r = _find(runs, section, engine)
+    return r.result if r else None
 
 
 def _level(res: Optional[dict]) -> Optional[dict]:
@@ -850,8 +853,7 @@ def detail_tables(runs: list[Run]) -> str:
                      f"{lv['output_throughput']:.1f}"]
             for m in ("ttft", "tpot", "itl", "e2el"):
                 cells.append(f"{lv[f'mean_{m}_ms']:.0f} / {lv[f'median_{m}_ms']:.0f} / {lv[f'p99_{m}_ms']:.0f}")
-            run = next(r for r in runs if r.ok and r.section == section and r.engine == eng)
-            cells.append(_fmt_read(run.host_read))
+            cells.append(_fmt_read(_find(runs, section, eng).host_read))
             out.append(f"| {PEER_NAMES[eng]} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

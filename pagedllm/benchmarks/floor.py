@@ -221,25 +221,22 @@ _PROBE_BUF = None
 
 def host_read_gb_per_s(buffer_bytes: int = 256 << 20, reps: int = 3) -> float:
     """The host's memory read bandwidth right now, GB/s: the best of ``reps`` reads of a ``buffer_bytes`` buffer
-    (kept for the process's next call) by the C streaming read 8 KB ahead, or torch's sum where the C library doesn't
-    load. About 30 ms. ``compare`` takes it before and after every benchmark run: on a shared host it moves (an AMD
-    EPYC Zen 5 VM: 25-83 GB/s within one hour), and memory-bound decode speeds move with it."""
+    (kept for the process's next call) by the C streaming read 8 KB ahead (``stream_read_rates``), or torch's sum
+    where the C library doesn't load. Tens of ms. ``compare`` takes it before and after every benchmark run: on a
+    shared host it moves (an AMD EPYC Zen 5 VM: 25-83 GB/s within one hour), and memory-bound decode speeds move with
+    it."""
     global _PROBE_BUF
     import torch
 
-    from pagedllm import kernels
-
     if _PROBE_BUF is None or _PROBE_BUF.numel() * 8 != buffer_bytes:
         _PROBE_BUF = torch.ones(buffer_bytes // 8, dtype=torch.float64)
-    buf = _PROBE_BUF
-    lib = kernels.lib("cpu")
+    rates = stream_read_rates(_PROBE_BUF, reps, aheads=(8192,))
+    if rates:
+        return rates[8192] / 1e9
     best = 0.0
     for _ in range(reps):
         t0 = time.perf_counter()
-        if lib is not None:
-            lib.stream_read(buf.data_ptr(), buffer_bytes, 8192)
-        else:
-            buf.sum()
+        _PROBE_BUF.sum()
         best = max(best, buffer_bytes / (time.perf_counter() - t0))
     return best / 1e9
 

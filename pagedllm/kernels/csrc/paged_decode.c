@@ -422,7 +422,7 @@ static void dp_req(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
             off[i] = (bt[cb] * BS + co) * row_elems;
             if (++co == BS) { co = 0; ++cb; }
         }
-        /* the next tile's K rows, to L1, a few lines after each piece of this tile's score work (PF_LINES) */
+        /* 16 K rows kpt tokens ahead, to L1, a few lines after each piece of this tile's score work (PF_LINES) */
         const char* pfrow[16];
         int npf = 0, pfi = 0, pfc = 0;
         for (int i = 0; i < 16 && t0 + kpt + i < Lpf; ++i) {
