@@ -71,6 +71,38 @@ def test_gemma_rms_norm_matches_torch_on_rows_and_strided_heads(rows):
     assert qn.forward_heads(qkv[:, :D], NH, out[:, :NH * D]) is None  # fewer values than heads * D
 
 
+def test_bf16_norms_same_bits_at_every_level_and_batch_invariant():
+    """The bf16 norms sum squares in 16 fixed lanes (cpu_ops.c): the AVX-512 and AVX2 builds (and the scalar tail,
+    H not a multiple of 16) give the same bits, and a row's result doesn't depend on the rows beside it (1 row vs
+    600, where the rows run in parallel)."""
+    import dataclasses
+
+    from pagedllm import kernels
+    from pagedllm.kernels.config import supported_levels
+
+    torch.manual_seed(0)
+    outs = {}
+    for level in [lv for lv in supported_levels() if lv != "none"]:
+        with kernels.use(dataclasses.replace(kernels.config(), level=level)):
+            got = []
+            for H in (576, 640, 100):  # 100: six lanes of tail
+                g = torch.Generator().manual_seed(H)
+                x = (torch.randn(600, H, generator=g) * 3).bfloat16()
+                res = torch.randn(600, H, generator=g).bfloat16()
+                w = (torch.rand(H, generator=g) + 0.5).bfloat16()
+                y, r = cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+                y1, r1 = cpu_kernels.add_rms_norm(x[7:8].contiguous(), res[7:8].contiguous(), w, 1e-5)
+                assert torch.equal(y1, y[7:8]) and torch.equal(r1, r[7:8])
+                scale = torch.rand(H, generator=g) + 0.5
+                gy = cpu_kernels.gemma_rms_norm(x, scale, 1e-6)
+                assert torch.equal(cpu_kernels.gemma_rms_norm(x[7:8], scale, 1e-6), gy[7:8])
+                got += [y, r, gy]
+            outs[level] = got
+    first = next(iter(outs.values()))
+    for level, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, first)), level
+
+
 @pytest.mark.parametrize("rows", [1, 5, 200])
 def test_gelu_tanh_and_mul_matches_torch(rows):
     """Gemma's GeGLU in one pass: ``F.gelu(gate, approximate="tanh") * up`` with the same two bf16 roundings. Its

@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "bf16.h"
+#include "omp_for.h"
 #include "pagedllm_kernels.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
@@ -22,7 +23,7 @@
 #define DEFINE_RMS(NAME, T, LOAD, STORE, ROUND)                                                               \
 void NAME(const T* x, const T* residual, const T* weight, T* out, T* residual_out, int64_t rows, int64_t H,  \
           float eps) {                                                                                        \
-    _Pragma("omp parallel for schedule(static) if (rows * H >= PAR_MIN_ELEMS)")                               \
+    OMP_FOR_IF(rows * H >= PAR_MIN_ELEMS,                                                                     \
     for (int64_t r = 0; r < rows; ++r) {                                                                      \
         const T* xr = x + r * H;                                                                              \
         T* orow = out + r * H;                                                                                \
@@ -41,12 +42,12 @@ void NAME(const T* x, const T* residual, const T* weight, T* out, T* residual_ou
         }                                                                                                     \
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);                                                 \
         for (int64_t i = 0; i < H; ++i) orow[i] = STORE(LOAD(xr[i]) * inv * LOAD(weight[i]));                 \
-    }                                                                                                         \
+    });                                                                                                       \
 }
 
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                          \
 void NAME(const T* gu, T* out, int64_t rows, int64_t I) {                                                     \
-    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")                               \
+    OMP_FOR_IF(rows * I >= PAR_MIN_ELEMS,                                                                     \
     for (int64_t r = 0; r < rows; ++r) {                                                                      \
         const T* g = gu + r * 2 * I;                                                                          \
         const T* u = g + I;                                                                                   \
@@ -56,11 +57,99 @@ void NAME(const T* gu, T* out, int64_t rows, int64_t I) {                       
             const float s = ROUND(gv / (1.0f + expf(-gv)));                                                   \
             o[i] = STORE(s * LOAD(u[i]));                                                                     \
         }                                                                                                     \
-    }                                                                                                         \
+    });                                                                                                       \
 }
 
-DEFINE_RMS(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
+
+/* bf16 RMSNorms: the sum of squares in 16 float32 lanes (lane l adds elements l, l + 16, l + 32, ... in order; the
+ * lanes summed at the end in one fixed tree), the same sums on every level (AVX-512: one vector; AVX2: two; scalar: an
+ * array), so a row's bits never depend on the ISA nor on the other rows. A single running sum (before) was a chain
+ * of H dependent adds: ~0.55 us a 576-wide row (AMD EPYC Zen 5), 18 us a norm call for 32 decode rows on one thread
+ * (rows * H is under PAR_MIN_ELEMS there), two a layer. The order differs from torch's by float32 rounding only. */
+static inline float lanes16_total(const float* l) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; ++i) a[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; ++i) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Sum of squares of row x [H] in lanes16 order; with `res`: x' = round(x + res) is written to res_out first and
+ * summed instead (the residual add of add_rms_norm). */
+static inline float bf16_row_sumsq(const uint16_t* x, const uint16_t* res, uint16_t* res_out, int64_t H) {
+    float lanes[16] = {0};
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= H; i += 16) {
+        __m512 v = load16_bf16(x + i);
+        if (res) {
+            v = round16_bf16(_mm512_add_ps(v, load16_bf16(res + i)));
+            _mm256_storeu_si256((__m256i*)(res_out + i), store16_bf16_bits(v));
+        }
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    _mm512_storeu_ps(lanes, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= H; i += 16) {
+        __m256 v0 = load8_bf16(x + i), v1 = load8_bf16(x + i + 8);
+        if (res) {
+            v0 = round8_bf16(_mm256_add_ps(v0, load8_bf16(res + i)));
+            v1 = round8_bf16(_mm256_add_ps(v1, load8_bf16(res + i + 8)));
+            _mm_storeu_si128((__m128i*)(res_out + i), store8_bf16_bits(v0));
+            _mm_storeu_si128((__m128i*)(res_out + i + 8), store8_bf16_bits(v1));
+        }
+        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(v0, v0));
+        acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(v1, v1));
+    }
+    _mm256_storeu_ps(lanes, acc0);
+    _mm256_storeu_ps(lanes + 8, acc1);
+#endif
+    for (; i < H; ++i) {
+        float v = bf16_to_f32(x[i]);
+        if (res) {
+            v = round_bf16(v + bf16_to_f32(res[i]));
+            res_out[i] = f32_to_bf16(v);
+        }
+        lanes[i % 16] += v * v;
+    }
+    return lanes16_total(lanes);
+}
+
+/* out [H] = round(x [H] * inv * w) with w bf16 (wb) or float32 (wf). */
+static inline void bf16_row_scale(const uint16_t* x, float inv, const uint16_t* wb, const float* wf, uint16_t* out,
+                                  int64_t H) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; i + 16 <= H; i += 16) {
+        const __m512 w = wb ? load16_bf16(wb + i) : _mm512_loadu_ps(wf + i);
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load16_bf16(x + i), iv), w);
+        _mm256_storeu_si256((__m256i*)(out + i), store16_bf16_bits(y));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (; i + 8 <= H; i += 8) {
+        const __m256 w = wb ? load8_bf16(wb + i) : _mm256_loadu_ps(wf + i);
+        const __m256 y = _mm256_mul_ps(_mm256_mul_ps(load8_bf16(x + i), iv), w);
+        _mm_storeu_si128((__m128i*)(out + i), store8_bf16_bits(y));
+    }
+#endif
+    for (; i < H; ++i) out[i] = f32_to_bf16(bf16_to_f32(x[i]) * inv * (wb ? bf16_to_f32(wb[i]) : wf[i]));
+}
+
+void add_rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, uint16_t* out,
+                       uint16_t* residual_out, int64_t rows, int64_t H, float eps) {
+    OMP_FOR_IF(rows * H >= PAR_MIN_ELEMS,
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + r * H;
+        const float ss = bf16_row_sumsq(xr, residual ? residual + r * H : NULL,
+                                        residual ? residual_out + r * H : NULL, H);
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        bf16_row_scale(residual ? residual_out + r * H : xr, inv, weight, NULL, out + r * H, H);
+    });
+}
 
 /* gelu_tanh_mul: y = round(round(gelu_tanh(gate)) * up) (as ``F.gelu(gate, approximate="tanh") * up`` in bf16: Gemma's
  * GeGLU), gelu in float32 as torch writes it, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), with
@@ -75,34 +164,34 @@ static inline float silu_scalar(float g) { return g / (1.0f + expf(-g)); }
 /* y = round(round(act(gate)) * up) over rows of gate_up [rows, 2 I] (gate first) -> out [rows, I], bf16; act: 0 silu,
  * 1 gelu_tanh (constant at each call site, so each caller compiles to its own loop). silu16 / silu8 / the scalar
  * silu and the gelu_tanh ones give the same values in their lanes and tail (same polynomial for exp). */
+static inline __attribute__((always_inline)) void act_mul_row(const int act, const uint16_t* g, const uint16_t* u,
+                                                               uint16_t* o, int64_t I) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= I; i += 16) {
+        const __m512 x = load16_bf16(g + i);
+        const __m512 s = round16_bf16(act ? gelu_tanh16(x) : silu16(x));
+        _mm256_storeu_si256((__m256i*)(o + i), store16_bf16_bits(_mm512_mul_ps(s, load16_bf16(u + i))));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* silu8 / gelu_tanh8, the same polynomial as the 16-lane ones (the scalar expf loop took ~110 us for one
+     * 8960-wide decode row on an EPYC Zen 3, 28 of them per step of a 1.5B model; this takes 16 us). */
+    for (; i + 8 <= I; i += 8) {
+        const __m256 x = load8_bf16(g + i);
+        const __m256 s = round8_bf16(act ? gelu_tanh8(x) : silu8(x));
+        _mm_storeu_si128((__m128i*)(o + i), store8_bf16_bits(_mm256_mul_ps(s, load8_bf16(u + i))));
+    }
+#endif
+    for (; i < I; ++i) {
+        const float x = bf16_to_f32(g[i]);
+        o[i] = f32_to_bf16(round_bf16(act ? gelu_tanh_scalar(x) : silu_scalar(x)) * bf16_to_f32(u[i]));
+    }
+}
 static inline __attribute__((always_inline)) void act_mul_bf16(const int act, const uint16_t* gu, uint16_t* out,
                                                                 int64_t rows, int64_t I) {
-    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* g = gu + r * 2 * I;
-        const uint16_t* u = g + I;
-        uint16_t* o = out + r * I;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= I; i += 16) {
-            const __m512 x = load16_bf16(g + i);
-            const __m512 s = round16_bf16(act ? gelu_tanh16(x) : silu16(x));
-            _mm256_storeu_si256((__m256i*)(o + i), store16_bf16_bits(_mm512_mul_ps(s, load16_bf16(u + i))));
-        }
-#elif defined(__AVX2__) && defined(__FMA__)
-        /* silu8 / gelu_tanh8, the same polynomial as the 16-lane ones (the scalar expf loop took ~110 us for one
-         * 8960-wide decode row on an EPYC Zen 3, 28 of them per step of a 1.5B model; this takes 16 us). */
-        for (; i + 8 <= I; i += 8) {
-            const __m256 x = load8_bf16(g + i);
-            const __m256 s = round8_bf16(act ? gelu_tanh8(x) : silu8(x));
-            _mm_storeu_si128((__m128i*)(o + i), store8_bf16_bits(_mm256_mul_ps(s, load8_bf16(u + i))));
-        }
-#endif
-        for (; i < I; ++i) {
-            const float x = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(act ? gelu_tanh_scalar(x) : silu_scalar(x)) * bf16_to_f32(u[i]));
-        }
-    }
+    OMP_FOR_IF(rows * I >= PAR_MIN_ELEMS, for (int64_t r = 0; r < rows; ++r) {
+        act_mul_row(act, gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I);
+    });
 }
 void silu_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) { act_mul_bf16(0, gu, out, rows, I); }
 void gelu_tanh_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t I) {
@@ -116,19 +205,16 @@ void gelu_tanh_mul_bf16(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t
  * place of a slice + cat (G = heads, D = head_dim) and a hidden state is T rows of one group (G = 1, D = hidden). */
 void gemma_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const float* scale, uint16_t* out, int64_t out_stride,
                          int64_t T, int64_t G, int64_t D, float eps) {
-    _Pragma("omp parallel for schedule(static) if (T * G * D >= PAR_MIN_ELEMS)")
+    OMP_FOR_IF(T * G * D >= PAR_MIN_ELEMS,
     for (int64_t r = 0; r < T * G; ++r) {
         const uint16_t* xr = x + (r / G) * x_stride + (r % G) * D;
-        uint16_t* orow = out + (r / G) * out_stride + (r % G) * D;
-        float ss = 0.f;
-        for (int64_t i = 0; i < D; ++i) { const float v = bf16_to_f32(xr[i]); ss += v * v; }
-        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
-        for (int64_t i = 0; i < D; ++i) orow[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * scale[i]);
-    }
+        const float inv = 1.0f / sqrtf(bf16_row_sumsq(xr, NULL, NULL, D) / (float)D + eps);
+        bf16_row_scale(xr, inv, NULL, scale, out + (r / G) * out_stride + (r % G) * D, D);
+    });
 }
 #if defined(__AVX512F__)
 void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
-    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    OMP_FOR_IF(rows * I >= PAR_MIN_ELEMS,
     for (int64_t r = 0; r < rows; ++r) {
         const float* g = gu + r * 2 * I;
         const float* u = g + I;
@@ -137,11 +223,11 @@ void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
         for (; i + 16 <= I; i += 16)
             _mm512_storeu_ps(o + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
         for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    });
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
-    _Pragma("omp parallel for schedule(static) if (rows * I >= PAR_MIN_ELEMS)")
+    OMP_FOR_IF(rows * I >= PAR_MIN_ELEMS,
     for (int64_t r = 0; r < rows; ++r) {
         const float* g = gu + r * 2 * I;
         const float* u = g + I;
@@ -150,7 +236,7 @@ void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t I) {
         for (; i + 8 <= I; i += 8)
             _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
         for (; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    });
 }
 #else
 DEFINE_SILU_MUL(silu_mul_f32, float, f32_id, f32_id, f32_id)
@@ -235,7 +321,7 @@ DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, bf16_to_f32, bf16)
 void NAME(T* qkv, int64_t row_stride, const T* cs, int64_t cs_stride, T* cache_k, T* cache_v,              \
           const int64_t* slots, int64_t T_, int H, int KVH, int D) {                                          \
     const int half = D / 2;                                                                                   \
-    _Pragma("omp parallel for schedule(static) if (T_ * (H + KVH) * D >= PAR_MIN_ELEMS)")                     \
+    OMP_FOR_IF(T_ * (H + KVH) * D >= PAR_MIN_ELEMS,                                                           \
     for (int64_t t = 0; t < T_; ++t) {                                                                        \
         T* row = qkv + t * row_stride;                                                                        \
         const T* c = cs + t * cs_stride;                                                                      \
@@ -254,7 +340,7 @@ void NAME(T* qkv, int64_t row_stride, const T* cs, int64_t cs_stride, T* cache_k
         const T* kp = row + (int64_t)H * D;                                                                   \
         const T* vp = kp + (int64_t)KVH * D;                                                                  \
         for (int i = 0; i < KVH * D; ++i) { cache_k[base + i] = kp[i]; cache_v[base + i] = vp[i]; }           \
-    }                                                                                                         \
+    });                                                                                                       \
 }
 
 DEFINE_ROPE_CACHE(rope_cache_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)

@@ -47,6 +47,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "omp_for.h"
 #include "pagedllm_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -167,6 +168,79 @@ int64_t kq_packed_bytes(int type, int64_t N, int64_t K) {
 
 /* ---- activations ---------------------------------------------------------------------------------------------- */
 
+/* Block i (row i / nb, inputs 32 (i % nb) ..) of kq_quantize_act. */
+static inline void kq_quant_block(const void *x, int64_t K, int is_bf16, int8_t *xhi, int8_t *xlo, float *xs,
+                                  float *xsum32, int32_t *isum16, int a8, int64_t nb, int64_t i) {
+    const float qmax = a8 ? 127.0f : KQ_XMAX; /* 8 bits: xq = 128 k, |k| <= 127, lo = 0 */
+    const int64_t m = i / nb, b = i % nb, base = m * K + b * 32;
+#if KQ_ISA >= 1
+    /* the loop below in 8 lanes, bit for bit: max is order-free, cvtps rounds to nearest even as lrintf does
+     * (the default MXCSR), and the int sums are exact; EPYC Zen 3, one 8960-wide row: 12.7 us a call */
+    {
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 v[4], am = _mm256_setzero_ps();
+        for (int e = 0; e < 4; e++) {
+            v[e] = is_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                 (const __m128i *)((const uint16_t *)x + base + 8 * e))), 16))
+                           : _mm256_loadu_ps((const float *)x + base + 8 * e);
+            am = _mm256_max_ps(am, _mm256_and_ps(v[e], absm));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        const float amax = _mm_cvtss_f32(m4);
+        const float scale = amax / KQ_XMAX, inv = amax > 0.0f ? qmax / amax : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        const int ql = a8 ? 127 : 16256;
+        const __m256i lim = _mm256_set1_epi32(ql), nlim = _mm256_set1_epi32(-ql), m7 = _mm256_set1_epi32(127);
+        __m256i q[4], hi[4], lo[4];
+        for (int e = 0; e < 4; e++) {
+            q[e] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[e], iv)), nlim), lim);
+            if (a8) q[e] = _mm256_slli_epi32(q[e], 7);
+            hi[e] = _mm256_srai_epi32(q[e], 7); /* floor(q / 128) */
+            lo[e] = _mm256_and_si256(q[e], m7);
+        }
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
+        const __m256i h8 = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3])), order);
+        const __m256i l8 = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3])), order);
+        _mm256_storeu_si256((__m256i *)(xhi + base), h8);
+        _mm256_storeu_si256((__m256i *)(xlo + base), l8);
+        int32_t t0[8], t1[8];
+        _mm256_storeu_si256((__m256i *)t0, _mm256_add_epi32(q[0], q[1]));
+        _mm256_storeu_si256((__m256i *)t1, _mm256_add_epi32(q[2], q[3]));
+        int32_t s0 = 0, s1 = 0;
+        for (int e = 0; e < 8; e++) { s0 += t0[e]; s1 += t1[e]; }
+        xs[m * nb + b] = scale;
+        xsum32[m * nb + b] = scale * (float)(s0 + s1);
+        isum16[(m * nb + b) * 2] = s0;
+        isum16[(m * nb + b) * 2 + 1] = s1;
+        return;
+    }
+#endif
+    float v[32], amax = 0.0f;
+    for (int e = 0; e < 32; e++) {
+        v[e] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + e]) : ((const float *)x)[base + e];
+        amax = fmaxf(amax, fabsf(v[e]));
+    }
+    const float scale = amax / KQ_XMAX, inv = amax > 0.0f ? qmax / amax : 0.0f;
+    const int32_t ql = a8 ? 127 : 16256;
+    int32_t s0 = 0, s1 = 0;
+    for (int e = 0; e < 32; e++) {
+        int32_t q = (int32_t)lrintf(v[e] * inv);
+        q = q > ql ? ql : (q < -ql ? -ql : q);
+        if (a8) q *= 128;
+        xhi[base + e] = (int8_t)(q >> 7); /* floor(q / 128) */
+        xlo[base + e] = (int8_t)(q & 127);
+        if (e < 16) s0 += q; else s1 += q;
+    }
+    xs[m * nb + b] = scale;
+    xsum32[m * nb + b] = scale * (float)(s0 + s1);
+    isum16[(m * nb + b) * 2] = s0;
+    isum16[(m * nb + b) * 2 + 1] = s1;
+}
+
 /* x [M][K] (bf16 if is_bf16 else float32), K % 32 == 0 ->
  * xhi, xlo [M][K] int8; xs [M][K/32] (block scale); xsum32 [M][K/32] = xs * sum of xq over the block;
  * isum16 [M][K/16] = the exact int sum of xq over each half block.
@@ -177,78 +251,10 @@ int64_t kq_packed_bytes(int type, int64_t N, int64_t K) {
 void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *xhi, int8_t *xlo, float *xs,
                      float *xsum32, int32_t *isum16, int act_bits) {
     const int a8 = act_bits == 8;
-    const float qmax = a8 ? 127.0f : KQ_XMAX; /* 8 bits: xq = 128 k, |k| <= 127, lo = 0 */
     const int64_t nb = K / 32;
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t i = 0; i < M * nb; i++) {
-        const int64_t m = i / nb, b = i % nb, base = m * K + b * 32;
-#if KQ_ISA >= 1
-        /* the loop below in 8 lanes, bit for bit: max is order-free, cvtps rounds to nearest even as lrintf does
-         * (the default MXCSR), and the int sums are exact; EPYC Zen 3, one 8960-wide row: 12.7 us a call */
-        {
-            const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-            __m256 v[4], am = _mm256_setzero_ps();
-            for (int e = 0; e < 4; e++) {
-                v[e] = is_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                                     (const __m128i *)((const uint16_t *)x + base + 8 * e))), 16))
-                               : _mm256_loadu_ps((const float *)x + base + 8 * e);
-                am = _mm256_max_ps(am, _mm256_and_ps(v[e], absm));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-            const float amax = _mm_cvtss_f32(m4);
-            const float scale = amax / KQ_XMAX, inv = amax > 0.0f ? qmax / amax : 0.0f;
-            const __m256 iv = _mm256_set1_ps(inv);
-            const int ql = a8 ? 127 : 16256;
-            const __m256i lim = _mm256_set1_epi32(ql), nlim = _mm256_set1_epi32(-ql), m7 = _mm256_set1_epi32(127);
-            __m256i q[4], hi[4], lo[4];
-            for (int e = 0; e < 4; e++) {
-                q[e] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[e], iv)), nlim), lim);
-                if (a8) q[e] = _mm256_slli_epi32(q[e], 7);
-                hi[e] = _mm256_srai_epi32(q[e], 7); /* floor(q / 128) */
-                lo[e] = _mm256_and_si256(q[e], m7);
-            }
-            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
-            const __m256i h8 = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3])), order);
-            const __m256i l8 = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3])), order);
-            _mm256_storeu_si256((__m256i *)(xhi + base), h8);
-            _mm256_storeu_si256((__m256i *)(xlo + base), l8);
-            int32_t t0[8], t1[8];
-            _mm256_storeu_si256((__m256i *)t0, _mm256_add_epi32(q[0], q[1]));
-            _mm256_storeu_si256((__m256i *)t1, _mm256_add_epi32(q[2], q[3]));
-            int32_t s0 = 0, s1 = 0;
-            for (int e = 0; e < 8; e++) { s0 += t0[e]; s1 += t1[e]; }
-            xs[m * nb + b] = scale;
-            xsum32[m * nb + b] = scale * (float)(s0 + s1);
-            isum16[(m * nb + b) * 2] = s0;
-            isum16[(m * nb + b) * 2 + 1] = s1;
-            continue;
-        }
-#endif
-        float v[32], amax = 0.0f;
-        for (int e = 0; e < 32; e++) {
-            v[e] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[base + e]) : ((const float *)x)[base + e];
-            amax = fmaxf(amax, fabsf(v[e]));
-        }
-        const float scale = amax / KQ_XMAX, inv = amax > 0.0f ? qmax / amax : 0.0f;
-        const int32_t ql = a8 ? 127 : 16256;
-        int32_t s0 = 0, s1 = 0;
-        for (int e = 0; e < 32; e++) {
-            int32_t q = (int32_t)lrintf(v[e] * inv);
-            q = q > ql ? ql : (q < -ql ? -ql : q);
-            if (a8) q *= 128;
-            xhi[base + e] = (int8_t)(q >> 7); /* floor(q / 128) */
-            xlo[base + e] = (int8_t)(q & 127);
-            if (e < 16) s0 += q; else s1 += q;
-        }
-        xs[m * nb + b] = scale;
-        xsum32[m * nb + b] = scale * (float)(s0 + s1);
-        isum16[(m * nb + b) * 2] = s0;
-        isum16[(m * nb + b) * 2 + 1] = s1;
-    }
+    OMP_FOR_IF(M * K >= 65536, for (int64_t i = 0; i < M * nb; i++) {
+        kq_quant_block(x, K, is_bf16, xhi, xlo, xs, xsum32, isum16, a8, nb, i);
+    });
 }
 
 /* ---- the file's codes, and the repack ------------------------------------------------------------------------- */
