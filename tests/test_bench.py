@@ -902,3 +902,29 @@ def test_server_stop_waits_for_the_whole_process_group(tmp_path):
     assert time.monotonic() - t0 >= 0.9  # it waited for the child that ignored SIGTERM ...
     assert not peers._group_alive(proc.pid)  # ... and killed it
     assert proc.poll() is not None
+
+
+def test_wait_quiet_waits_for_a_group_that_still_burns_cpu():
+    """compare's interleaved offline runs start each timed run only once every engine's process group is idle
+    (vLLM's worker spins ~1 s after a run): wait_quiet returns at once for an idle group, after the busy spell for
+    one that spins ~0.8 s, and at max_s for one that never stops."""
+    import subprocess
+    import sys
+    import time
+
+    from pagedllm.benchmarks import peers
+
+    def group(code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+    idle = group("import time; time.sleep(30)")
+    spell = group("import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.8: pass\ntime.sleep(30)")
+    forever = group("while True: pass")
+    try:
+        assert 0.7 <= peers.wait_quiet([idle.pid, spell.pid]) < 3.0  # the spell (after its interpreter's start-up)
+        assert peers.wait_quiet([idle.pid, spell.pid]) < 0.6  # both idle now: one window
+        assert 0.9 <= peers.wait_quiet([forever.pid], max_s=1.0) < 1.6
+    finally:
+        for p in (idle, spell, forever):
+            p.kill()
+            p.wait()

