@@ -615,16 +615,19 @@ def test_offline_floor_and_floor_table():
     assert params == 2 * ((4 + 4) * 16 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128) + 100 * 64
     limits = {"gemm_peak_gflops": 100.0, "mem_read_gb_per_s": 10.0, "torch_threads": 2}
     wl = {"total_input_tokens": 1000, "total_output_tokens": 500, "output_len_max": 50}
-    got = offline_floor_s(wl, shapes, limits, weight_bytes=1e6)
-    assert got == pytest.approx(2 * params * 1000 / 1e11 + max(50 * 1e6 / 1e10, 2 * params * 500 / 1e11))
+    got = offline_floor_s(wl, shapes, limits, weight_bytes=1e7)
+    assert got == pytest.approx(2 * params * 1000 / 1e11 + max(50 * 1e7 / 1e10, 2 * params * 500 / 1e11))
     runs = [C.Run("offline", "pagedllm", "x", True, dict(_offline(1.0, 1.0), elapsed_time=2 * got, workload=wl)),
             C.Run("single", "pagedllm", "x", True, {"levels": [_level(1.0, 1.0, 1.0, 4.0)]}),
-            C.Run("floor", "matmul", "x", True, {"floor": [{"batch_size": 1, "weight_bytes": 1e6, "roofline_ms": 1.0,
+            C.Run("floor", "matmul", "x", True, {"floor": [{"batch_size": 1, "weight_bytes": 1e7, "roofline_ms": 1.0,
                                                             "step_ms_median": 2.0}], "shapes": shapes,
                                                  "limits": limits})]
     table = C.floor_table(runs)
     assert "| offline mixed: elapsed (bf16) |" in table and "| 50% |" in table
     assert "| single stream bf16: decode tok/s | 250.0 tok/s | 1,000.0 tok/s | 25% |" in table
+    # the host read 20 GB/s around the single stream, twice the floor run's 10: its floor at 20 (0.5 ms a token)
+    runs[1].host_read = [20.0, 15.0]
+    assert "| single stream bf16: decode tok/s | 250.0 tok/s | 2,000.0 tok/s | 12% |" in C.floor_table(runs)
 
 
 def test_base_model_chat_workload_and_quantized_chat_backend(tmp_path, monkeypatch):
@@ -693,6 +696,13 @@ def test_compare_quantized_rows():
     assert "memory read 20.0 GB/s" in table
     row = "| quantized as stored: decode step, single stream median TPOT (500 MB a token) | 30.0 ms | 25.0 ms | 83% |"
     assert row in table
+    # the host read 40 GB/s around our single-stream run, twice the floor run's 20: the floor at 40 (12.5 ms)
+    runs[0].host_read = [40.0, 35.0]
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    assert rows[f"{q}: decode step (median TPOT) / memory floor"].ours == pytest.approx(30.0 / 12.5)
+    assert "| 30.0 ms | 12.5 ms | 42% |" in C.floor_table(runs)
+    runs[0].host_read = [15.0, None]  # slower than the floor run's: its 20 GB/s stands
+    assert C.quant_memory_floor_ms(runs) == pytest.approx(25.0)
 
 
 def test_compare_vllm_client_rows(tmp_path):

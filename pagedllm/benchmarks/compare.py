@@ -746,11 +746,29 @@ def engine_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def best_read_limits(limits: dict, run: Optional[Run]) -> dict:
+    """``limits`` (``bench floor``'s) with the read bandwidth raised to the host read probes around ``run`` where
+    they measured more. The shared host's bandwidth moves 2x within minutes (AMD EPYC Zen 5: a floor run read 54 GB/s,
+    the probes around our single stream minutes later 90 and 85): a floor from a slow minute would flatter a figure
+    measured in a fast one, so each figure's floor takes the best bandwidth measured for it."""
+    reads = [v for v in (run.host_read if run else []) if v]
+    if reads and max(reads) > limits["mem_read_gb_per_s"]:
+        return dict(limits, mem_read_gb_per_s=max(reads))
+    return limits
+
+
 def quant_memory_floor_ms(runs: list[Run]) -> Optional[float]:
-    """The quantized section's decode-step memory floor, ms: the GGUF's bytes per token as stored over the measured
-    read bandwidth (``bench floor`` on the file; None without that run)."""
+    """The quantized section's decode-step memory floor, ms: the GGUF's bytes per token as stored over the best read
+    bandwidth measured (``best_read_limits``: ``bench floor``'s on the file or the probes around our single-stream
+    run, quant-single); None without the floor run."""
     fl = _get(runs, "quant-floor", "matmul")
-    return fl["quantized"]["memory_floor_ms"] if fl and "quantized" in fl else None
+    if not fl or "quantized" not in fl:
+        return None
+    q = fl["quantized"]
+    if not fl.get("limits"):
+        return q["memory_floor_ms"]
+    lim = best_read_limits(fl["limits"], _find(runs, "quant-single", "pagedllm-int4"))
+    return 1000.0 * q["weight_bytes_per_token"] / (lim["mem_read_gb_per_s"] * 1e9)
 
 
 def _pages_note(lim: dict) -> str:
@@ -769,7 +787,7 @@ def _pages_note(lim: dict) -> str:
 def floor_table(runs: list[Run]) -> str:
     """Ours as a fraction of the machine's floor (``bench floor``'s measured GEMM peak and memory bandwidth): the
     floor's time over ours, so 100% would be at the physical limit."""
-    from pagedllm.benchmarks.floor import offline_floor_s
+    from pagedllm.benchmarks.floor import offline_floor_s, roofline
 
     fl = _get(runs, "floor", "matmul")
     qfl = _get(runs, "quant-floor", "matmul")
@@ -782,7 +800,9 @@ def floor_table(runs: list[Run]) -> str:
     peak_dtype = {"bfloat16": "bf16", "float32": "float32"}.get(lim.get("gemm_peak_dtype", "bfloat16"), "bf16")
     lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): GEMM peak {lim['gemm_peak_gflops']:.0f} "
              f"GFLOP/s ({peak_dtype} matmuls; a bf16 matmul may run at either rate), memory read "
-             f"{lim['mem_read_gb_per_s']:.1f} GB/s" + _pages_note(lim) + ".", "",
+             f"{lim['mem_read_gb_per_s']:.1f} GB/s" + _pages_note(lim) + ". Each figure's floor takes the best read "
+             "bandwidth measured for it: this, or the host read probes around that figure's own run where higher.",
+             "",
              "| figure | ours | floor | ours as % of the floor's speed |", "|---|---|---|---|"]
 
     def line(what: str, ours: Optional[float], floor: Optional[float], unit: str, higher_better: bool) -> None:
@@ -791,24 +811,32 @@ def floor_table(runs: list[Run]) -> str:
         frac = ours / floor if higher_better else floor / ours
         lines.append(f"| {what} | {_fmt(ours)} {unit} | {_fmt(floor)} {unit} | {100 * frac:.0f}% |")
 
-    off = _get(runs, "offline", "pagedllm")
+    def roof_ms(bs: int, run: Optional[Run]) -> float:  # the batch's roofline at the best bandwidth for `run`
+        r = dict(rows[bs])
+        roofline([r], shapes, best_read_limits(lim, run))
+        return r["roofline_ms"]
+
+    off_run = _find(runs, "offline", "pagedllm")
+    off = off_run.result if off_run else None
     if off and off.get("workload") and 1 in rows:
         line("offline mixed: elapsed (bf16)", off["elapsed_time"],
-             offline_floor_s(off["workload"], shapes, lim, rows[1]["weight_bytes"]), "s", False)
-    single = _level(_get(runs, "single", "pagedllm"))
-    if single and 1 in rows and "roofline_ms" in rows[1]:
-        line("single stream bf16: decode tok/s", 1000.0 / single["mean_tpot_ms"], 1000.0 / rows[1]["roofline_ms"],
+             offline_floor_s(off["workload"], shapes, best_read_limits(lim, off_run), rows[1]["weight_bytes"]), "s",
+             False)
+    single_run = _find(runs, "single", "pagedllm")
+    single = _level(single_run.result if single_run else None)
+    if single and 1 in rows:
+        line("single stream bf16: decode tok/s", 1000.0 / single["mean_tpot_ms"], 1000.0 / roof_ms(1, single_run),
              "tok/s", True)
     for bs in (1, 32):
-        lat = _get(runs, "latency", f"pagedllm-bs{bs}")
-        if lat and bs in rows and "roofline_ms" in rows[bs]:
-            line(f"decode step, batch {bs} (bf16)", decode_step_ms(lat), rows[bs]["roofline_ms"], "ms", False)
+        lat_run = _find(runs, "latency", f"pagedllm-bs{bs}")
+        if lat_run and bs in rows:
+            line(f"decode step, batch {bs} (bf16)", decode_step_ms(lat_run.result), roof_ms(bs, lat_run), "ms", False)
     quant = _level(_get(runs, "quant-single", "pagedllm-int4"))
     if quant and qfl and "quantized" in qfl:
         q = qfl["quantized"]
         line(f"quantized as stored: decode step, single stream median TPOT ({q['weight_bytes_per_token'] / 1e6:,.0f} "
              f"MB a token{', tied LM head' if q['tied_lm_head'] else ''})", quant["median_tpot_ms"],
-             q["memory_floor_ms"], "ms", False)
+             quant_memory_floor_ms(runs), "ms", False)
     return "\n".join(lines)
 
 
