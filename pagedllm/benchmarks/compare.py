@@ -250,7 +250,7 @@ def _run_interleaved(engines: list, n: int, timeout: float) -> list[Run]:
             for eng in procs:
                 # each timed run starts with every engine idle (P.wait_quiet: vLLM's worker spins ~1 s after a run)
                 waited = P.wait_quiet([p.pid for p in procs.values()])
-                if waited > 2 * 0.25:
+                if waited > 2 * P.QUIET_WINDOW_S:  # more than the one window an idle check takes
                     print(f"[compare]   offline: {waited:.1f} s until every engine was idle", flush=True)
                 procs[eng].stdin.write("run\n")
                 procs[eng].stdin.flush()

@@ -196,7 +196,10 @@ def _group_alive(pgid: int) -> bool:
     return any(state != "Z" for state, _ in _group_procs({pgid}))
 
 
-def wait_quiet(pgids: list[int], max_s: float = 10.0, window_s: float = 0.25, busy: float = 0.05) -> float:
+QUIET_WINDOW_S = 0.25  # wait_quiet's measuring window
+
+
+def wait_quiet(pgids: list[int], max_s: float = 10.0, window_s: float = QUIET_WINDOW_S, busy: float = 0.05) -> float:
     """Waits until the process groups ``pgids`` together use less than ``busy`` of one core over ``window_s``
     (or ``max_s`` has passed); returns the seconds waited. Why: vLLM's worker keeps one core busy for ~1 s after a
     run ends (measured on the AMD EPYC Zen 5 between interleaved offline runs: 1.0 CPU-second in the first second,

@@ -65,8 +65,8 @@ DEFINE_RMS(add_rms_norm_f32, float, f32_id, f32_id, f32_id)
 /* bf16 RMSNorms: the sum of squares in 16 float32 lanes (lane l adds elements l, l + 16, l + 32, ... in order; the
  * lanes summed at the end in one fixed tree), the same sums on every level (AVX-512: one vector; AVX2: two; scalar: an
  * array), so a row's bits never depend on the ISA nor on the other rows. A single running sum (before) was a chain
- * of H dependent adds: ~0.55 us a 576-wide row (AMD EPYC Zen 5), 18 us a norm call for 32 decode rows on one thread
- * (rows * H is under PAR_MIN_ELEMS there), two a layer. The order differs from torch's by float32 rounding only. */
+ * of H dependent adds; AMD EPYC Zen 5, Gemma 3's 640-wide norm of one decode row (the fused loop's timers, with the
+ * libgomp call OMP_FOR_IF removed): 0.7 -> 0.3 us. The order differs from torch's by float32 rounding only. */
 static inline float lanes16_total(const float* l) {
     float a[8], b[4];
     for (int i = 0; i < 8; ++i) a[i] = l[i] + l[i + 8];

@@ -122,7 +122,8 @@ static void run_kquant(const stack_model_t *m, const stack_linear_t *L, const ui
 }
 
 /* x [n] = round(a + b) in bf16, as torch adds two bf16 tensors (a may be x); vectorized (the scalar loop the compiler
- * left alone took ~0.7 us a 640-wide Gemma row, two a layer). */
+ * left alone: ~0.7 us a 640-wide Gemma row, two a layer, AMD EPYC Zen 5, from the fused loop's timers: norm + add
+ * 1.4 us, the norm alone 0.7). */
 static void add_bf16(uint16_t *x, const uint16_t *a, const uint16_t *b, int64_t n) {
     int64_t i = 0;
 #if defined(__AVX512F__)

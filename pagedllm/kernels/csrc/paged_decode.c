@@ -552,7 +552,8 @@ static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_
     /* the AMX score pass needs whole 16-token tiles inside one block */
     const int amx = g_use_amx && BS % 16 == 0 && start % 16 == 0;
     /* one instance per head_dim: with ND a constant the score pass keeps q and the 16 dots in registers (one generic
-     * instance kept them on the stack with a bounds check per pair: ~1.5x the score pass's time, Zen 5) */
+     * instance kept them on the stack with a bounds check per pair; Zen 5, SmolLM2's heads, 32 requests x 400
+     * cache-resident tokens: 172 -> 142 us a call) */
 #define DP_CASE(ND_)                                                                                             \
     dp_req(q, k_cache, v_cache, bt, L, start, row, out, H, KVH, h0, h1, G, BS, scale, q_stride, ND_, s, acc, qbuf,  \
            amx, part, Lpf)
