@@ -229,15 +229,21 @@ def test_pack_linear_weights_replaces_linears_and_tied_head():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cols", [1, 15, 16, 17, 49152])
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 63, 64, 65, 100, 127, 200, 49152, 262144])
 def test_argmax_rows_matches_torch_including_ties_and_nan(cols, dtype):
     torch.manual_seed(cols)
-    x = torch.randn(6, cols).to(dtype)
+    x = torch.randn(9, cols).to(dtype)
     x[1] = 0.0  # all tied: first index
     if cols > 3:
         x[2, cols - 1] = x[2, 1] = 100.0  # a tie between an early and the last column
         x[3, cols // 2] = float("nan")  # NaN counts as the maximum
         x[4, 0] = float("inf")
+        # ties between the kernel's running maxima: a later lane of an earlier chunk vs an early lane of a later one,
+        # and a column of the last whole 16-wide chunks vs one of the 64-wide loop
+        x[5, min(47, cols - 1)] = x[5, cols - 1 - (cols - 1) % 16] = 50.0
+        x[6, cols - 1] = x[6, cols - 2] = 60.0
+        x[7, 3 * cols // 4] = float("nan")
+        x[7, 5] = float("nan")  # the first NaN wins
     got = cpu_kernels.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.float().argmax(dim=-1))

@@ -296,8 +296,9 @@ def test_dequantize_rows_equal_gguf(qtype):
     assert torch.equal(dequantize_rows(w, ids, torch.float32), ref[ids])
     assert torch.equal(dequantize_rows(w, ids, torch.bfloat16), ref[ids].bfloat16())
     assert torch.equal(w.dequantize(), ref)
-    with pytest.raises(IndexError):
-        dequantize_rows(w, torch.tensor([40]), torch.float32)
+    for bad in ([40], [-1], [3, 40, 5], [0, -7]):  # alone or among valid ids, past either end
+        with pytest.raises(IndexError):
+            dequantize_rows(w, torch.tensor(bad), torch.float32)
 
 
 def test_fused_shards_of_different_types_write_their_columns():

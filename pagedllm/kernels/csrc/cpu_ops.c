@@ -271,33 +271,51 @@ void NAME(const T* x, int64_t* out, int64_t rows, int64_t cols) {               
 }
 
 #if defined(__AVX512F__)
-/* 16 running maxima (strict >, so each lane keeps its first maximum) and their indices; lanes merged at the end
- * preferring the lower index on ties. A NaN anywhere sends the row to the scalar loop from index 0. */
+/* 4 x 16 running maxima (strict >, so each lane keeps its first maximum) and their indices: accumulator a, lane l
+ * sees the indices 64 j + 16 a + l in increasing order (then accumulator 0 takes the last whole 16-wide chunks), so
+ * the four compare/select chains run side by side (one chain was bound by its latency: ~6 cycles a 16-wide chunk,
+ * ~30 us a 262,144-wide Gemma 3 row); the 64 lanes are merged at the end preferring the lower index on ties. A NaN
+ * anywhere sends the row to the scalar loop from index 0. */
 #define ARGMAX_VECTOR_BODY(LOADV)                                                                             \
-        if (cols >= 16) {                                                                                     \
-            __m512 mv = LOADV(xr);                                                                            \
-            __m512i mi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);              \
-            __m512i cur = mi;                                                                                 \
-            const __m512i step = _mm512_set1_epi32(16);                                                       \
-            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);                                         \
-            for (i = 16; i + 16 <= cols && !nan; i += 16) {                                                   \
-                cur = _mm512_add_epi32(cur, step);                                                            \
+        if (cols >= 64) {                                                                                     \
+            __m512 mv[4];                                                                                     \
+            __m512i mi[4], cur[4];                                                                            \
+            const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);      \
+            const __m512i step = _mm512_set1_epi32(64);                                                       \
+            __mmask16 nan = 0;                                                                                \
+            for (int a = 0; a < 4; ++a) {                                                                     \
+                mv[a] = LOADV(xr + 16 * a);                                                                   \
+                mi[a] = cur[a] = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * a));                           \
+                nan |= _mm512_cmp_ps_mask(mv[a], mv[a], _CMP_UNORD_Q);                                        \
+            }                                                                                                 \
+            for (i = 64; i + 64 <= cols && !nan; i += 64)                                                     \
+                for (int a = 0; a < 4; ++a) {                                                                 \
+                    cur[a] = _mm512_add_epi32(cur[a], step);                                                  \
+                    const __m512 v = LOADV(xr + i + 16 * a);                                                  \
+                    const __mmask16 gt = _mm512_cmp_ps_mask(v, mv[a], _CMP_GT_OQ);                            \
+                    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                            \
+                    mv[a] = _mm512_mask_mov_ps(mv[a], gt, v);                                                 \
+                    mi[a] = _mm512_mask_mov_epi32(mi[a], gt, cur[a]);                                         \
+                }                                                                                             \
+            for (; i + 16 <= cols && !nan; i += 16) {                                                         \
                 const __m512 v = LOADV(xr + i);                                                               \
-                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);                                   \
-                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                 \
-                mv = _mm512_mask_mov_ps(mv, gt, v);                                                           \
-                mi = _mm512_mask_mov_epi32(mi, gt, cur);                                                      \
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv[0], _CMP_GT_OQ);                                \
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                \
+                mv[0] = _mm512_mask_mov_ps(mv[0], gt, v);                                                     \
+                mi[0] = _mm512_mask_mov_epi32(mi[0], gt, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i)));  \
             }                                                                                                 \
             if (nan) {                                                                                        \
                 i = 0;                                                                                        \
             } else {                                                                                          \
-                float vals[16];                                                                               \
-                int32_t idx[16];                                                                              \
-                _mm512_storeu_ps(vals, mv);                                                                   \
-                _mm512_storeu_si512((void*)idx, mi);                                                          \
+                float vals[64];                                                                               \
+                int32_t idx[64];                                                                              \
+                for (int a = 0; a < 4; ++a) {                                                                 \
+                    _mm512_storeu_ps(vals + 16 * a, mv[a]);                                                   \
+                    _mm512_storeu_si512((void*)(idx + 16 * a), mi[a]);                                        \
+                }                                                                                             \
                 bv = vals[0];                                                                                 \
                 best = idx[0];                                                                                \
-                for (int l = 1; l < 16; ++l)                                                                  \
+                for (int l = 1; l < 64; ++l)                                                                  \
                     if (vals[l] > bv || (vals[l] == bv && idx[l] < best)) { bv = vals[l]; best = idx[l]; }    \
             }                                                                                                 \
         }

@@ -309,10 +309,12 @@ def dequantize_rows(w: KQuantWeight, ids: torch.Tensor, dtype: torch.dtype,
     lib = lib or get_lib()
     w = w.tiled(lib)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.rows):
-        raise IndexError(f"token id out of range [0, {w.rows})")
     kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     out = torch.empty(ids.numel(), w.n_in, dtype=kernel_dtype)
-    lib.kq_dequant_rows(int(w.ggml_type), w.data.data_ptr(), w.rows, w.n_in, ids.data_ptr(), ids.numel(),
-                        out.data_ptr(), int(kernel_dtype == torch.bfloat16))
+    rc = lib.kq_dequant_rows(int(w.ggml_type), w.data.data_ptr(), w.rows, w.n_in, ids.data_ptr(), ids.numel(),
+                             out.data_ptr(), int(kernel_dtype == torch.bfloat16))
+    if rc == -2:  # the kernel checks every id before it reads a row
+        raise IndexError(f"token id out of range [0, {w.rows})")
+    if rc != 0:
+        raise ValueError(f"kq_dequant_rows: unsupported type {w.ggml_type!r} or shape")
     return out if kernel_dtype == dtype else out.to(dtype)
