@@ -623,11 +623,21 @@ def test_offline_floor_and_floor_table():
                                                             "step_ms_median": 2.0}], "shapes": shapes,
                                                  "limits": limits})]
     table = C.floor_table(runs)
-    assert "| offline mixed: elapsed (bf16) |" in table and "| 50% |" in table
-    assert "| single stream bf16: decode tok/s | 250.0 tok/s | 1,000.0 tok/s | 25% |" in table
+    assert "| offline mixed: elapsed (bf16) |" in table and "| 50% | | | |" in table  # no vLLM run: its columns empty
+    assert "| single stream bf16: decode tok/s | 250.0 tok/s | 1,000.0 tok/s | 25% | | | |" in table
     # the host read 20 GB/s around the single stream, twice the floor run's 10: its floor at 20 (0.5 ms a token)
     runs[1].host_read = [20.0, 15.0]
     assert "| single stream bf16: decode tok/s | 250.0 tok/s | 2,000.0 tok/s | 12% |" in C.floor_table(runs)
+    # vLLM's runs: each at its own run's floor; the last column is the most any engine could show against it, at the
+    # lower of the two floors (the faster bandwidth)
+    runs += [C.Run("offline", "vllm", "x", True, dict(_offline(1.0, 1.0), elapsed_time=4 * got, workload=wl)),
+             C.Run("single", "vllm", "x", True, {"levels": [_level(1.0, 1.0, 1.0, 5.0)]})]
+    runs[4].host_read = [40.0, 10.0]  # vLLM's single stream: its floor at 40 GB/s, 0.25 ms a token
+    table = C.floor_table(runs)
+    assert f"| 50% | {C._fmt(4 * got)} s | 25% | 4.00x |" in table
+    assert "| 250.0 tok/s | 2,000.0 tok/s | 12% | 200.0 tok/s | 5% | 20.00x |" in table
+    runs[3].result["workload"] = dict(wl, total_input_tokens=999)  # another workload: no vLLM columns
+    assert "| 50% | | | |" in C.floor_table(runs)
 
 
 def test_base_model_chat_workload_and_quantized_chat_backend(tmp_path, monkeypatch):

