@@ -142,9 +142,10 @@ def test_batch_invariance(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_prefetch_distance_changes_no_bit(qtype):
-    """The GEMV's prefetch distance (``KernelConfig.kquant_prefetch_bytes``) is only a hint: 32 B, 2 KB and 64 KB
-    ahead give the same bits, and the library follows the active config."""
+def test_prefetch_distance_and_hint_change_no_bit(qtype):
+    """The GEMV's prefetch distance and kind (``KernelConfig.kquant_prefetch_bytes``, ``kquant_prefetch_hint``) are
+    only hints: 32 B, 2 KB and 64 KB ahead, each into L1 or non-temporal, give the same bits, and the library follows
+    the active config."""
     import dataclasses
 
     from pagedllm import kernels
@@ -153,17 +154,22 @@ def test_prefetch_distance_changes_no_bit(qtype):
     w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 150, k, seed=7))).tiled()
     x = torch.randn(3, k).bfloat16()
     lib, ys, calls = get_lib(), [], []
-    real = lib.kq_set_prefetch_bytes
+    real, real_nta = lib.kq_set_prefetch_bytes, lib.kq_set_prefetch_nta
     lib.kq_set_prefetch_bytes = lambda n: calls.append(n) or real(n)
+    lib.kq_set_prefetch_nta = lambda on: calls.append(("nta", on)) or real_nta(on)
     try:
         for dist in (32, 2048, 65536):
-            with kernels.use(dataclasses.replace(kernels.config(), kquant_prefetch_bytes=dist)):
-                ys.append(kquant_linear(x, [w], torch.float32))
+            for hint in ("t0", "nta"):
+                cfg = dataclasses.replace(kernels.config(), kquant_prefetch_bytes=dist, kquant_prefetch_hint=hint)
+                with kernels.use(cfg):
+                    ys.append(kquant_linear(x, [w], torch.float32))
     finally:
-        lib.kq_set_prefetch_bytes = real
+        lib.kq_set_prefetch_bytes, lib.kq_set_prefetch_nta = real, real_nta
         kernels.set_value(lib, "kq_set_prefetch_bytes", kernels.config().kquant_prefetch)  # back to the config's
-    assert calls == [32, 2048, 65536]
-    assert all(torch.equal(y, ys[0]) for y in ys)
+        kernels.set_value(lib, "kq_set_prefetch_nta", int(kernels.config().kquant_prefetch_nta))
+    assert [c for c in calls if not isinstance(c, tuple)] == [32, 2048, 65536]
+    assert ("nta", 1) in calls and ("nta", 0) in calls
+    assert len(ys) == 6 and all(torch.equal(y, ys[0]) for y in ys)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -84,6 +84,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
     Library("kquant", ("kquant_cpu.c",), ("amx", "avx512_bf16", "avx2"), {
         "kq_isa": Fn((), I32),
         "kq_set_prefetch_bytes": Fn((I64,)),
+        "kq_set_prefetch_nta": Fn((I64,)),
         "kq_packed_bytes": Fn((I32, I64, I64), I64),
         "kq_pack": Fn((I32, P, I64, I64, I64, P), I32),
         "kq_release_file_pages": Fn((P, I64), I32),

@@ -76,6 +76,10 @@ def cpu_vendor() -> str:
 # threads, builds interleaved: SmolLM2's int4 layer matmuls 1.24-1.28 ms a step at 6 KB, 1.35-1.40 at 2 KB; the 1.5B
 # Q4_K_M decode step 15.0-15.6 ms at 8 KB, 17.0-22.6 at 2 KB. Xeon (AMX): 2 KB for both (4 KB 10% slower there).
 _PREFETCH_BYTES = {"int4": {"AuthenticAMD": 6144}, "kquant": {"AuthenticAMD": 8192}}
+# Whether the K-quant matmuls' weight prefetches are non-temporal, per CPU vendor (kq_set_prefetch_nta in kquant_cpu.c:
+# 2-7% faster decode steps on a Zen 5, each weight line being read once a step; not measured on Intel CPUs).
+_PREFETCH_NTA = {"AuthenticAMD": True}
+PREFETCH_HINTS = ("auto", "t0", "nta")
 
 
 def default_prefetch_bytes(kernel: str, vendor: Optional[str] = None) -> int:
@@ -145,6 +149,7 @@ class KernelConfig:
     int4_prefill: str = "auto"  # int4 prefill rows below AMX: auto, bf16, float, int16, int8 (``int4_prefill_kernel``)
     int4_prefetch_bytes: int = 0  # the int4 decode kernel's prefetch distance; 0: the CPU's default (from_env sets it)
     kquant_prefetch_bytes: int = 0  # the same for the K-quant matmuls
+    kquant_prefetch_hint: str = "auto"  # those prefetches: t0 (to L1), nta (non-temporal), auto (the CPU's default)
 
     def __post_init__(self) -> None:
         for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
@@ -153,6 +158,9 @@ class KernelConfig:
         for name in ("int4_prefetch_bytes", "kquant_prefetch_bytes"):
             if not 0 <= getattr(self, name) <= 65536:
                 raise ValueError(f"{name} must be in 0..65536; got {getattr(self, name)!r}.")
+        if self.kquant_prefetch_hint not in PREFETCH_HINTS:
+            raise ValueError(f"kquant_prefetch_hint must be one of {', '.join(PREFETCH_HINTS)}; "
+                             f"got {self.kquant_prefetch_hint!r}.")
         if self.int4_prefill not in INT4_PREFILL_KERNELS:
             raise ValueError(f"int4_prefill must be one of {', '.join(INT4_PREFILL_KERNELS)}; "
                              f"got {self.int4_prefill!r}.")
@@ -182,6 +190,14 @@ class KernelConfig:
         return self.kquant_prefetch_bytes or default_prefetch_bytes("kquant")
 
     @property
+    def kquant_prefetch_nta(self) -> bool:
+        """Whether the K-quant matmuls prefetch their weights non-temporally (``kquant_prefetch_hint``; auto: the
+        CPU vendor's measured default)."""
+        if self.kquant_prefetch_hint == "auto":
+            return _PREFETCH_NTA.get(cpu_vendor(), False)
+        return self.kquant_prefetch_hint == "nta"
+
+    @property
     def native(self) -> bool:
         """Whether C libraries may load (level above ``none`` and ``cpu_kernels`` on)."""
         return self.cpu_kernels and self.level != "none"
@@ -201,6 +217,7 @@ class KernelConfig:
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
                 + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}"
                 + f", weight prefetch int4 {self.int4_prefetch} B / K-quant {self.kquant_prefetch} B"
+                + (" non-temporal" if self.kquant_prefetch_nta else "")
                 + (", int4 integer sums on AMX-INT8" if self.amx and self.amx_linear and "amx_int8" in cpu_flags()
                    else ""))
 
@@ -217,7 +234,8 @@ class KernelConfig:
                    kquant_act_bits=_int_env("PAGEDLLM_KQUANT_ACT_BITS"),
                    kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"),
                    int4_prefill=envs.get("PAGEDLLM_INT4_PREFILL"),
-                   int4_prefetch_bytes=_prefetch_env("int4"), kquant_prefetch_bytes=_prefetch_env("kquant"))
+                   int4_prefetch_bytes=_prefetch_env("int4"), kquant_prefetch_bytes=_prefetch_env("kquant"),
+                   kquant_prefetch_hint=_choice_env("PAGEDLLM_KQUANT_PREFETCH_HINT", PREFETCH_HINTS))
 
 
 def _prefetch_env(kernel: str) -> int:
@@ -229,6 +247,13 @@ def _prefetch_env(kernel: str) -> int:
     if not 32 <= n <= 65536:
         raise ValueError(f"{name} must be auto or 32..65536; got {v!r}.")
     return n
+
+
+def _choice_env(name: str, choices: tuple[str, ...]) -> str:
+    v = (envs.get(name) or "auto").strip().lower()
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {v!r}.")
+    return v
 
 
 def _int_env(name: str) -> int:

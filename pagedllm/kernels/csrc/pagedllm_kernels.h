@@ -120,6 +120,7 @@ typedef struct {
 } kq_shard_t;
 #define KQ_MAX_SHARDS 8
 void kq_set_prefetch_bytes(int64_t bytes); /* the GEMVs' prefetch distance (KernelConfig) */
+void kq_set_prefetch_nta(int64_t on);     /* those prefetches non-temporal (KernelConfig) */
 /* kq_matmul over shards side by side (shard i's columns after shard i - 1's), in one parallel region */
 int kq_matmul_shards(const kq_shard_t *shards, int64_t n_shards, int64_t K, const int8_t *xhi, const int8_t *xlo,
                      const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,

@@ -58,6 +58,7 @@ def get_lib() -> Optional[ctypes.CDLL]:
     lib = kernels.lib("kquant")
     if lib is not None:
         kernels.set_value(lib, "kq_set_prefetch_bytes", kernels.config().kquant_prefetch)
+        kernels.set_value(lib, "kq_set_prefetch_nta", int(kernels.config().kquant_prefetch_nta))
     return lib
 
 
