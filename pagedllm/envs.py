@@ -51,9 +51,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "AMD CPUs, 2048 on others: measured best on a Zen 5 and a Xeon)."),
     EnvVar("PAGEDLLM_KQUANT_PREFETCH_BYTES", "auto",
            "The same for the GGUF K-quant / Q8_0 / Q5_0 matmuls (auto: 8192 on AMD CPUs, 2048 on others)."),
-    EnvVar("PAGEDLLM_KQUANT_PREFETCH_HINT", "auto",
-           "Those prefetches: t0 (into L1 and L2), nta (non-temporal: the once-read weights don't evict what a step "
-           "keeps using), or auto (nta on AMD CPUs, measured faster on a Zen 5; t0 on others)."),
+    EnvVar("PAGEDLLM_WEIGHT_PREFETCH_HINT", "auto",
+           "The int4 and K-quant decode kernels' weight prefetches: nta (non-temporal: weights read once a step don't "
+           "evict what the step keeps using), cache (into L1, as the kernels were tuned), or auto (nta on AMD CPUs, "
+           "measured faster on a Zen 5; cache on others)."),
     EnvVar("PAGEDLLM_INT4_PREFILL", "auto",
            "int4 layers' prefill rows below level amx: bf16 (weights expanded to bf16 for our packed bf16 GEMM), "
            "float (float32 tiles), int16 (integer dots, 15-bit activations), int8 (8-bit activations, llama.cpp's "

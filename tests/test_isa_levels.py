@@ -366,26 +366,39 @@ def test_weight_prefetch_distances_resolve_by_vendor_and_are_checked(monkeypatch
         KernelConfig(kquant_prefetch_bytes=-1)
 
 
-def test_kquant_prefetch_hint_resolves_by_vendor_and_is_checked(monkeypatch):
-    """``PAGEDLLM_KQUANT_PREFETCH_HINT``: auto is non-temporal on AMD (measured faster on a Zen 5) and not elsewhere,
-    t0 / nta are taken as given on any CPU, anything else is refused; the start-up line says when it is on."""
+def test_weight_prefetch_hint_resolves_by_vendor_and_reaches_the_libraries(monkeypatch):
+    """``PAGEDLLM_WEIGHT_PREFETCH_HINT``: auto is non-temporal on AMD (measured faster on a Zen 5) and not elsewhere,
+    nta / cache are taken as given on any CPU, anything else is refused; the start-up line says when it is on, and
+    the int4 and K-quant libraries are given the active config's choice on lookup."""
+    from pagedllm import kernels
     from pagedllm.kernels import KernelConfig
 
     kc = importlib.import_module("pagedllm.kernels.config")
     monkeypatch.setattr(kc, "cpu_vendor", lambda: "AuthenticAMD")
     cfg = KernelConfig.from_env("none")
-    assert cfg.kquant_prefetch_hint == "auto" and cfg.kquant_prefetch_nta
-    assert "K-quant 8192 B non-temporal" in cfg.describe()
-    monkeypatch.setenv("PAGEDLLM_KQUANT_PREFETCH_HINT", "t0")
-    assert not KernelConfig.from_env("none").kquant_prefetch_nta
+    assert cfg.weight_prefetch_hint == "auto" and cfg.weight_prefetch_nta
+    assert "K-quant 8192 B, non-temporal" in cfg.describe()
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_PREFETCH_HINT", "cache")
+    assert not KernelConfig.from_env("none").weight_prefetch_nta
     monkeypatch.setattr(kc, "cpu_vendor", lambda: "GenuineIntel")
-    monkeypatch.setenv("PAGEDLLM_KQUANT_PREFETCH_HINT", "auto")
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_PREFETCH_HINT", "auto")
     cfg = KernelConfig.from_env("none")
-    assert not cfg.kquant_prefetch_nta and "non-temporal" not in cfg.describe()
-    monkeypatch.setenv("PAGEDLLM_KQUANT_PREFETCH_HINT", "NTA")
-    assert KernelConfig.from_env("none").kquant_prefetch_nta
-    monkeypatch.setenv("PAGEDLLM_KQUANT_PREFETCH_HINT", "t1")
-    with pytest.raises(ValueError, match="PAGEDLLM_KQUANT_PREFETCH_HINT"):
+    assert not cfg.weight_prefetch_nta and "non-temporal" not in cfg.describe()
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_PREFETCH_HINT", "NTA")
+    assert KernelConfig.from_env("none").weight_prefetch_nta
+    monkeypatch.setenv("PAGEDLLM_WEIGHT_PREFETCH_HINT", "t1")
+    with pytest.raises(ValueError, match="PAGEDLLM_WEIGHT_PREFETCH_HINT"):
         KernelConfig.from_env("none")
-    with pytest.raises(ValueError, match="kquant_prefetch_hint"):
-        KernelConfig(kquant_prefetch_hint="far")
+    with pytest.raises(ValueError, match="weight_prefetch_hint"):
+        KernelConfig(weight_prefetch_hint="far")
+    base = kernels.config()
+    if not base.native:
+        return
+    given = []
+    monkeypatch.setattr(kernels, "set_value", lambda lib, setter, value: given.append((setter, value)))
+    for hint, on in (("nta", 1), ("cache", 0)):
+        with kernels.use(dataclasses.replace(base, weight_prefetch_hint=hint)):
+            for name in ("int4", "kquant"):
+                kernels.lib(name)
+    for setter in ("int4_set_prefetch_nta", "kq_set_prefetch_nta"):
+        assert (setter, 1) in given and (setter, 0) in given, setter

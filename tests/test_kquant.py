@@ -143,7 +143,7 @@ def test_batch_invariance(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_prefetch_distance_and_hint_change_no_bit(qtype):
-    """The GEMV's prefetch distance and kind (``KernelConfig.kquant_prefetch_bytes``, ``kquant_prefetch_hint``) are
+    """The GEMV's prefetch distance and kind (``KernelConfig.kquant_prefetch_bytes``, ``weight_prefetch_hint``) are
     only hints: 32 B, 2 KB and 64 KB ahead, each into L1 or non-temporal, give the same bits, and the library follows
     the active config."""
     import dataclasses
@@ -159,14 +159,14 @@ def test_prefetch_distance_and_hint_change_no_bit(qtype):
     lib.kq_set_prefetch_nta = lambda on: calls.append(("nta", on)) or real_nta(on)
     try:
         for dist in (32, 2048, 65536):
-            for hint in ("t0", "nta"):
-                cfg = dataclasses.replace(kernels.config(), kquant_prefetch_bytes=dist, kquant_prefetch_hint=hint)
+            for hint in ("cache", "nta"):
+                cfg = dataclasses.replace(kernels.config(), kquant_prefetch_bytes=dist, weight_prefetch_hint=hint)
                 with kernels.use(cfg):
                     ys.append(kquant_linear(x, [w], torch.float32))
     finally:
         lib.kq_set_prefetch_bytes, lib.kq_set_prefetch_nta = real, real_nta
         kernels.set_value(lib, "kq_set_prefetch_bytes", kernels.config().kquant_prefetch)  # back to the config's
-        kernels.set_value(lib, "kq_set_prefetch_nta", int(kernels.config().kquant_prefetch_nta))
+        kernels.set_value(lib, "kq_set_prefetch_nta", int(kernels.config().weight_prefetch_nta))
     assert [c for c in calls if not isinstance(c, tuple)] == [32, 2048, 65536]
     assert ("nta", 1) in calls and ("nta", 0) in calls
     assert len(ys) == 6 and all(torch.equal(y, ys[0]) for y in ys)

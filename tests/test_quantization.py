@@ -155,8 +155,9 @@ def test_int4_torch_paths_without_c_kernel(monkeypatch, dtype):
 
 
 def test_int4_gemv_prefetch_distance_changes_no_bit():
-    """The decode kernel's prefetch distance (``KernelConfig.int4_prefetch_bytes``) is only a hint: 32 B, 2 KB and 64 KB
-    ahead give the same bits, and the library follows the active config."""
+    """The decode kernel's prefetch distance and kind (``KernelConfig.int4_prefetch_bytes``, ``weight_prefetch_hint``)
+    are only hints: 32 B, 2 KB and 64 KB ahead, into L1 or non-temporal, give the same bits, and the library follows
+    the active config."""
     from pagedllm.layers.quantization import cpu_kernels
     from pagedllm.layers.quantization import kernels as K
 
@@ -171,13 +172,16 @@ def test_int4_gemv_prefetch_distance_changes_no_bit():
     lib.int4_set_prefetch_bytes = lambda n: calls.append(n) or real(n)
     try:
         for dist in (32, 2048, 65536):
-            with kernels.use(dataclasses.replace(kernels.config(), int4_prefetch_bytes=dist)):
-                outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
+            for hint in ("cache", "nta"):  # into L1, or non-temporal (weight_prefetch_hint): a hint too
+                cfg = dataclasses.replace(kernels.config(), int4_prefetch_bytes=dist, weight_prefetch_hint=hint)
+                with kernels.use(cfg):
+                    outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
     finally:
         lib.int4_set_prefetch_bytes = real
         kernels.set_value(lib, "int4_set_prefetch_bytes", kernels.config().int4_prefetch)  # back to the config's
+        kernels.set_value(lib, "int4_set_prefetch_nta", int(kernels.config().weight_prefetch_nta))
     assert calls == [32, 2048, 65536]
-    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert len(outs) == 6 and all(torch.equal(o, outs[0]) for o in outs)
 
 
 

@@ -127,8 +127,19 @@ def lib(name: str) -> Optional[ctypes.CDLL]:
     found = None
     if cfg.native and (name != "amx" or cfg.amx):
         found = load(name, cfg.level)
+        if found is not None:
+            for setter, value in _settings(name, cfg):
+                set_value(found, setter, value)
     _active_libs[name] = found
     return found
+
+
+def _settings(name: str, cfg: KernelConfig) -> tuple[tuple[str, int], ...]:
+    """The library-wide settings ``lib`` gives library ``name`` from the active config, (setter, value) each: applied
+    whenever a config becomes active (``set_config`` empties the lookup cache)."""
+    nta = int(cfg.weight_prefetch_nta)
+    return {"int4": (("int4_set_prefetch_bytes", cfg.int4_prefetch), ("int4_set_prefetch_nta", nta)),
+            "kquant": (("kq_set_prefetch_bytes", cfg.kquant_prefetch), ("kq_set_prefetch_nta", nta))}.get(name, ())
 
 
 _given: dict[tuple[int, str], int] = {}  # (id(library), setter) -> the value it was given

@@ -76,10 +76,11 @@ def cpu_vendor() -> str:
 # threads, builds interleaved: SmolLM2's int4 layer matmuls 1.24-1.28 ms a step at 6 KB, 1.35-1.40 at 2 KB; the 1.5B
 # Q4_K_M decode step 15.0-15.6 ms at 8 KB, 17.0-22.6 at 2 KB. Xeon (AMX): 2 KB for both (4 KB 10% slower there).
 _PREFETCH_BYTES = {"int4": {"AuthenticAMD": 6144}, "kquant": {"AuthenticAMD": 8192}}
-# Whether the K-quant matmuls' weight prefetches are non-temporal, per CPU vendor (kq_set_prefetch_nta in kquant_cpu.c:
-# 2-7% faster decode steps on a Zen 5, each weight line being read once a step; not measured on Intel CPUs).
+# Whether the int4 and K-quant decode kernels' weight prefetches are non-temporal, per CPU vendor
+# (kernels/csrc/prefetch.h: decode steps 1.03-1.11x faster on a Zen 5, each weight line being read once a step; the
+# kernels' cached level was tuned on a Xeon, where it stays off).
 _PREFETCH_NTA = {"AuthenticAMD": True}
-PREFETCH_HINTS = ("auto", "t0", "nta")
+PREFETCH_HINTS = ("auto", "nta", "cache")
 
 
 def default_prefetch_bytes(kernel: str, vendor: Optional[str] = None) -> int:
@@ -149,7 +150,7 @@ class KernelConfig:
     int4_prefill: str = "auto"  # int4 prefill rows below AMX: auto, bf16, float, int16, int8 (``int4_prefill_kernel``)
     int4_prefetch_bytes: int = 0  # the int4 decode kernel's prefetch distance; 0: the CPU's default (from_env sets it)
     kquant_prefetch_bytes: int = 0  # the same for the K-quant matmuls
-    kquant_prefetch_hint: str = "auto"  # those prefetches: t0 (to L1), nta (non-temporal), auto (the CPU's default)
+    weight_prefetch_hint: str = "auto"  # int4 / K-quant decode weight prefetches: nta, cache, auto (CPU's default)
 
     def __post_init__(self) -> None:
         for name in ("kquant_act_bits", "kquant_prefill_act_bits"):
@@ -158,9 +159,9 @@ class KernelConfig:
         for name in ("int4_prefetch_bytes", "kquant_prefetch_bytes"):
             if not 0 <= getattr(self, name) <= 65536:
                 raise ValueError(f"{name} must be in 0..65536; got {getattr(self, name)!r}.")
-        if self.kquant_prefetch_hint not in PREFETCH_HINTS:
-            raise ValueError(f"kquant_prefetch_hint must be one of {', '.join(PREFETCH_HINTS)}; "
-                             f"got {self.kquant_prefetch_hint!r}.")
+        if self.weight_prefetch_hint not in PREFETCH_HINTS:
+            raise ValueError(f"weight_prefetch_hint must be one of {', '.join(PREFETCH_HINTS)}; "
+                             f"got {self.weight_prefetch_hint!r}.")
         if self.int4_prefill not in INT4_PREFILL_KERNELS:
             raise ValueError(f"int4_prefill must be one of {', '.join(INT4_PREFILL_KERNELS)}; "
                              f"got {self.int4_prefill!r}.")
@@ -190,12 +191,12 @@ class KernelConfig:
         return self.kquant_prefetch_bytes or default_prefetch_bytes("kquant")
 
     @property
-    def kquant_prefetch_nta(self) -> bool:
-        """Whether the K-quant matmuls prefetch their weights non-temporally (``kquant_prefetch_hint``; auto: the
-        CPU vendor's measured default)."""
-        if self.kquant_prefetch_hint == "auto":
+    def weight_prefetch_nta(self) -> bool:
+        """Whether the int4 and K-quant decode kernels prefetch their weights non-temporally (``weight_prefetch_hint``:
+        nta; cache: into L1, as they were tuned; auto: the CPU vendor's measured default)."""
+        if self.weight_prefetch_hint == "auto":
             return _PREFETCH_NTA.get(cpu_vendor(), False)
-        return self.kquant_prefetch_hint == "nta"
+        return self.weight_prefetch_hint == "nta"
 
     @property
     def native(self) -> bool:
@@ -217,7 +218,7 @@ class KernelConfig:
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
                 + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}"
                 + f", weight prefetch int4 {self.int4_prefetch} B / K-quant {self.kquant_prefetch} B"
-                + (" non-temporal" if self.kquant_prefetch_nta else "")
+                + (", non-temporal" if self.weight_prefetch_nta else "")
                 + (", int4 integer sums on AMX-INT8" if self.amx and self.amx_linear and "amx_int8" in cpu_flags()
                    else ""))
 
@@ -235,7 +236,7 @@ class KernelConfig:
                    kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"),
                    int4_prefill=envs.get("PAGEDLLM_INT4_PREFILL"),
                    int4_prefetch_bytes=_prefetch_env("int4"), kquant_prefetch_bytes=_prefetch_env("kquant"),
-                   kquant_prefetch_hint=_choice_env("PAGEDLLM_KQUANT_PREFETCH_HINT", PREFETCH_HINTS))
+                   weight_prefetch_hint=_choice_env("PAGEDLLM_WEIGHT_PREFETCH_HINT", PREFETCH_HINTS))
 
 
 def _prefetch_env(kernel: str) -> int:

@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include "omp_for.h"
+#include "prefetch.h"
 #include "pagedllm_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -71,19 +72,8 @@
 static int64_t g_kq_prefetch = 2048;
 void kq_set_prefetch_bytes(int64_t bytes) { g_kq_prefetch = bytes; }
 #define KQ_PREFETCH g_kq_prefetch
-/* Those prefetches non-temporal (KernelConfig.kquant_prefetch_nta, set like the distance; 0 until then): each weight
- * line is read once a step, and filled as usual it evicts from L2 what the step keeps using (activations, the KV
- * cache, the scheduler's and the runner's Python state between the kernels). On an AMD EPYC Zen 5 (2 threads, builds
- * interleaved, engine decode steps, medians of 64): the 1.5B Q4_K_M 15.5-15.8 -> 15.0-15.3 ms at ~90 GB/s host reads,
- * 22.6-22.7 -> 21.2-22.3 at ~52 GB/s, 8 rows 45.4-46.4 -> 43.5-44.9; Gemma-3-270M 5.54-5.79 -> 5.23-5.58 ms; 1,024
- * prompt tokens 2.88-3.00 -> 2.81-2.92 s. Not measured on Intel CPUs, where it stays off. */
-static int g_kq_nta = 0;
+static int g_kq_nta = 0; /* WEIGHT_PREFETCH's switch (prefetch.h) */
 void kq_set_prefetch_nta(int64_t on) { g_kq_nta = on != 0; }
-#define KQ_PF(p)                                                                                         \
-    do {                                                                                                 \
-        if (g_kq_nta) _mm_prefetch((const char *)(p), _MM_HINT_NTA);                                      \
-        else _mm_prefetch((const char *)(p), _MM_HINT_T0);                                                \
-    } while (0)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KQ_ISA 3
@@ -576,7 +566,7 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
             const int64_t gi = sb * ng + j;
             const int lb = 4 * l0;
             if (l0 == 0) /* prefetches never fault: past the end of w they are dropped */
-                for (int pl = 0; pl < gb; pl += 64) KQ_PF(g + KQ_PREFETCH + pl);
+                for (int pl = 0; pl < gb; pl += 64) WEIGHT_PREFETCH(g_kq_nta, g + KQ_PREFETCH + pl, 3);
             VI cv[8];
             if (T == KQ_Q8_0) {
                 for (int c = 0; c < 8; c++) {
@@ -736,7 +726,7 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, cons
             const int64_t gi = sb * ng + j;
             if (l0 == 0)
                 for (int pl = 0; pl < gb; pl += 64)
-                    KQ_PF(h + hb + j * gb + KQ_PREFETCH + pl);
+                    WEIGHT_PREFETCH(g_kq_nta, h + hb + j * gb + KQ_PREFETCH + pl, 3);
             VF A0, A1, B;
             kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
             VI dq[2][4];

@@ -17,8 +17,7 @@ def get_lib() -> Optional[ctypes.CDLL]:
     """The int4/int8 kernels' library for the active level, or None: level ``none``, disabled, or no compiler."""
     lib = kernels.lib("int4")
     if lib is not None:
-        _sync_amx(lib)
-        kernels.set_value(lib, "int4_set_prefetch_bytes", kernels.config().int4_prefetch)
+        _sync_amx(lib)  # the prefetch settings come with the lookup (kernels._settings)
     return lib
 
 

@@ -55,11 +55,7 @@ KQUANT_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K})
 def get_lib() -> Optional[ctypes.CDLL]:
     """The ``kquant`` library (``kernels/csrc/kquant_cpu.c``) for the active ISA level, or None: level ``none``,
     ``PAGEDLLM_CPU_KERNELS=0`` or no compiler (then GGUF files load with the requantizations of ``gguf.py``)."""
-    lib = kernels.lib("kquant")
-    if lib is not None:
-        kernels.set_value(lib, "kq_set_prefetch_bytes", kernels.config().kquant_prefetch)
-        kernels.set_value(lib, "kq_set_prefetch_nta", int(kernels.config().kquant_prefetch_nta))
-    return lib
+    return kernels.lib("kquant")  # with the active config's prefetch settings (kernels._settings)
 
 
 @dataclass
