@@ -369,7 +369,7 @@ def test_weight_prefetch_distances_resolve_by_vendor_and_are_checked(monkeypatch
 def test_weight_prefetch_hint_resolves_by_vendor_and_reaches_the_libraries(monkeypatch):
     """``PAGEDLLM_WEIGHT_PREFETCH_HINT``: auto is non-temporal on AMD (measured faster on a Zen 5) and not elsewhere,
     nta / cache are taken as given on any CPU, anything else is refused; the start-up line says when it is on, and
-    the int4 and K-quant libraries are given the active config's choice on lookup."""
+    the int4 and K-quant libraries are built with the choice (a -D flag, in the build's cache key)."""
     from pagedllm import kernels
     from pagedllm.kernels import KernelConfig
 
@@ -391,14 +391,10 @@ def test_weight_prefetch_hint_resolves_by_vendor_and_reaches_the_libraries(monke
         KernelConfig.from_env("none")
     with pytest.raises(ValueError, match="weight_prefetch_hint"):
         KernelConfig(weight_prefetch_hint="far")
-    base = kernels.config()
-    if not base.native:
-        return
-    given = []
-    monkeypatch.setattr(kernels, "set_value", lambda lib, setter, value: given.append((setter, value)))
-    for hint, on in (("nta", 1), ("cache", 0)):
-        with kernels.use(dataclasses.replace(base, weight_prefetch_hint=hint)):
-            for name in ("int4", "kquant"):
-                kernels.lib(name)
-    for setter in ("int4_set_prefetch_nta", "kq_set_prefetch_nta"):
-        assert (setter, 1) in given and (setter, 0) in given, setter
+    # a build-time choice: the int4 and K-quant libraries are built with WEIGHT_PREFETCH_NTA=1 for nta, the others not
+    nta, cache = (dataclasses.replace(KernelConfig(), weight_prefetch_hint=h) for h in ("nta", "cache"))
+    assert kernels._defines("kquant", nta) == kernels._defines("int4", nta) == ("-DWEIGHT_PREFETCH_NTA=1",)
+    assert kernels._defines("kquant", cache) == kernels._defines("dpbf16", nta) == ()
+    lib = bindings.LIBRARIES["kquant"]
+    assert "-DWEIGHT_PREFETCH_NTA=1" in build.command(lib, "avx2", defines=kernels._defines("kquant", nta))
+    assert build.cache_key(lib, "avx2", defines=("-DWEIGHT_PREFETCH_NTA=1",)) != build.cache_key(lib, "avx2")

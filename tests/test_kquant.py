@@ -142,10 +142,10 @@ def test_batch_invariance(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_prefetch_distance_and_hint_change_no_bit(qtype):
+def test_prefetch_distance_and_hint_change_no_bit(qtype, monkeypatch):
     """The GEMV's prefetch distance and kind (``KernelConfig.kquant_prefetch_bytes``, ``weight_prefetch_hint``) are
-    only hints: 32 B, 2 KB and 64 KB ahead, each into L1 or non-temporal, give the same bits, and the library follows
-    the active config."""
+    only hints: 32 B, 2 KB and 64 KB ahead, each into L1 or non-temporal (a build of its own), give the same bits,
+    and the library in use follows the active config."""
     import dataclasses
 
     from pagedllm import kernels
@@ -153,22 +153,17 @@ def test_prefetch_distance_and_hint_change_no_bit(qtype):
     k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 256
     w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 150, k, seed=7))).tiled()
     x = torch.randn(3, k).bfloat16()
-    lib, ys, calls = get_lib(), [], []
-    real, real_nta = lib.kq_set_prefetch_bytes, lib.kq_set_prefetch_nta
-    lib.kq_set_prefetch_bytes = lambda n: calls.append(n) or real(n)
-    lib.kq_set_prefetch_nta = lambda on: calls.append(("nta", on)) or real_nta(on)
-    try:
+    ys, libs, calls = [], {}, []
+    real = kernels.set_value
+    monkeypatch.setattr(kernels, "set_value", lambda lib, setter, v: calls.append((setter, v)) or real(lib, setter, v))
+    for hint in ("cache", "nta"):
         for dist in (32, 2048, 65536):
-            for hint in ("cache", "nta"):
-                cfg = dataclasses.replace(kernels.config(), kquant_prefetch_bytes=dist, weight_prefetch_hint=hint)
-                with kernels.use(cfg):
-                    ys.append(kquant_linear(x, [w], torch.float32))
-    finally:
-        lib.kq_set_prefetch_bytes, lib.kq_set_prefetch_nta = real, real_nta
-        kernels.set_value(lib, "kq_set_prefetch_bytes", kernels.config().kquant_prefetch)  # back to the config's
-        kernels.set_value(lib, "kq_set_prefetch_nta", int(kernels.config().weight_prefetch_nta))
-    assert [c for c in calls if not isinstance(c, tuple)] == [32, 2048, 65536]
-    assert ("nta", 1) in calls and ("nta", 0) in calls
+            cfg = dataclasses.replace(kernels.config(), kquant_prefetch_bytes=dist, weight_prefetch_hint=hint)
+            with kernels.use(cfg):
+                ys.append(kquant_linear(x, [w], torch.float32))
+                libs[hint] = get_lib()
+    assert [v for s, v in calls if s == "kq_set_prefetch_bytes"][:3] == [32, 2048, 65536]
+    assert libs["cache"] is not libs["nta"]  # the non-temporal build
     assert len(ys) == 6 and all(torch.equal(y, ys[0]) for y in ys)
 
 

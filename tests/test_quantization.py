@@ -154,10 +154,10 @@ def test_int4_torch_paths_without_c_kernel(monkeypatch, dtype):
     _check(layer, w.dequantize(), 128)
 
 
-def test_int4_gemv_prefetch_distance_changes_no_bit():
+def test_int4_gemv_prefetch_distance_changes_no_bit(monkeypatch):
     """The decode kernel's prefetch distance and kind (``KernelConfig.int4_prefetch_bytes``, ``weight_prefetch_hint``)
-    are only hints: 32 B, 2 KB and 64 KB ahead, into L1 or non-temporal, give the same bits, and the library follows
-    the active config."""
+    are only hints: 32 B, 2 KB and 64 KB ahead, into L1 or non-temporal (a build of its own), give the same bits, and
+    the library in use follows the active config."""
     from pagedllm.layers.quantization import cpu_kernels
     from pagedllm.layers.quantization import kernels as K
 
@@ -167,22 +167,18 @@ def test_int4_gemv_prefetch_distance_changes_no_bit():
     pk = K.PackedInt4.pack(K.quantize_int4_minmax(torch.randn(200, 1536), 32), torch.bfloat16)
     kg = int(pk["kernel_group"])
     x = torch.randn(3, 1536).bfloat16()
-    lib, outs, calls = cpu_kernels.get_lib(), [], []
-    real = lib.int4_set_prefetch_bytes
-    lib.int4_set_prefetch_bytes = lambda n: calls.append(n) or real(n)
-    try:
+    outs, libs, calls = [], {}, []
+    real = kernels.set_value
+    monkeypatch.setattr(kernels, "set_value", lambda lib, setter, v: calls.append((setter, v)) or real(lib, setter, v))
+    for hint in ("cache", "nta"):
         for dist in (32, 2048, 65536):
-            for hint in ("cache", "nta"):  # into L1, or non-temporal (weight_prefetch_hint): a hint too
-                cfg = dataclasses.replace(kernels.config(), int4_prefetch_bytes=dist, weight_prefetch_hint=hint)
-                with kernels.use(cfg):
-                    outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
-    finally:
-        lib.int4_set_prefetch_bytes = real
-        kernels.set_value(lib, "int4_set_prefetch_bytes", kernels.config().int4_prefetch)  # back to the config's
-        kernels.set_value(lib, "int4_set_prefetch_nta", int(kernels.config().weight_prefetch_nta))
-    assert calls == [32, 2048, 65536]
+            cfg = dataclasses.replace(kernels.config(), int4_prefetch_bytes=dist, weight_prefetch_hint=hint)
+            with kernels.use(cfg):
+                outs.append(cpu_kernels.int4_gemv_bf16(x, pk["packed"], pk["scales_and_zeros"], kg, 200))
+                libs[hint] = cpu_kernels.get_lib()
+    assert [v for s, v in calls if s == "int4_set_prefetch_bytes"][:3] == [32, 2048, 65536]
+    assert libs["cache"] is not libs["nta"]  # the non-temporal build
     assert len(outs) == 6 and all(torch.equal(o, outs[0]) for o in outs)
-
 
 
 @pytest.mark.parametrize("n,k,group", [(37, 160, 32), (130, 256, 64), (64, 512, 128), (200, 512, 256)])

@@ -28,21 +28,22 @@ __all__ = ["LEVELS", "KernelConfig", "check_level", "config", "cpu_flags", "dete
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_loaded: dict[tuple[str, str], Optional[ctypes.CDLL]] = {}
+_loaded: dict[tuple, Optional[ctypes.CDLL]] = {}
 _active: Optional[KernelConfig] = None
 _active_libs: dict[str, Optional[ctypes.CDLL]] = {}
 _logged: set = set()
 
 
-def load(name: str, level: str) -> Optional[ctypes.CDLL]:
-    """Library ``name`` (a key of ``bindings.LIBRARIES``) built for ``level`` and bound, or None: not built for that
-    level, build failed (one warning), or (``amx``) no tile state. Cached per (name, level)."""
-    key = (name, level)
+def load(name: str, level: str, defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+    """Library ``name`` (a key of ``bindings.LIBRARIES``) built for ``level`` (with the ``-D`` flags ``defines``: a
+    configured variant, see ``lib``) and bound, or None: not built for that level, build failed (one warning), or
+    (``amx``) no tile state. Cached per (name, level, defines)."""
+    key = (name, level, defines)
     if key in _loaded:
         return _loaded[key]
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _load(name, level)
+            _loaded[key] = _load(name, level, defines)
     return _loaded[key]
 
 
@@ -56,19 +57,19 @@ def load_target(name: str, tag: str, march: list[str]) -> Optional[ctypes.CDLL]:
     return _loaded[key]
 
 
-def _load(name: str, level: str) -> Optional[ctypes.CDLL]:
+def _load(name: str, level: str, defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     spec = LIBRARIES[name]
     if level not in spec.levels or not level_at_least(detect_level(), level):
         return None
-    return _bind(name, level, None)
+    return _bind(name, level, None, defines)
 
 
-def _bind(name: str, level: str, march: Optional[list]) -> Optional[ctypes.CDLL]:
+def _bind(name: str, level: str, march: Optional[list], defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     spec = LIBRARIES[name]
     from pagedllm.kernels.build import build
 
     try:
-        lib = ctypes.CDLL(build(spec, level, march))
+        lib = ctypes.CDLL(build(spec, level, march, defines))
     except Exception as e:  # no compiler, or a build error: the torch paths are used
         logger.warning("CPU kernels %r (level %s) unavailable (%s); using the torch paths.", name, level, e)
         return None
@@ -126,7 +127,7 @@ def lib(name: str) -> Optional[ctypes.CDLL]:
     cfg = config()
     found = None
     if cfg.native and (name != "amx" or cfg.amx):
-        found = load(name, cfg.level)
+        found = load(name, cfg.level, _defines(name, cfg))
         if found is not None:
             for setter, value in _settings(name, cfg):
                 set_value(found, setter, value)
@@ -134,12 +135,20 @@ def lib(name: str) -> Optional[ctypes.CDLL]:
     return found
 
 
+def _defines(name: str, cfg: KernelConfig) -> tuple[str, ...]:
+    """The ``-D`` flags of library ``name``'s build for ``cfg``: choices compiled in, where a runtime switch in the
+    hot loop cost more than the choice gained (the K-quant integer kernel's prefill, compute-bound, ran 1.3x slower
+    with a branch on the prefetch hint beside each weight prefetch; kernels/csrc/prefetch.h)."""
+    if name in ("int4", "kquant") and cfg.weight_prefetch_nta:
+        return ("-DWEIGHT_PREFETCH_NTA=1",)
+    return ()
+
+
 def _settings(name: str, cfg: KernelConfig) -> tuple[tuple[str, int], ...]:
     """The library-wide settings ``lib`` gives library ``name`` from the active config, (setter, value) each: applied
     whenever a config becomes active (``set_config`` empties the lookup cache)."""
-    nta = int(cfg.weight_prefetch_nta)
-    return {"int4": (("int4_set_prefetch_bytes", cfg.int4_prefetch), ("int4_set_prefetch_nta", nta)),
-            "kquant": (("kq_set_prefetch_bytes", cfg.kquant_prefetch), ("kq_set_prefetch_nta", nta))}.get(name, ())
+    return {"int4": (("int4_set_prefetch_bytes", cfg.int4_prefetch),),
+            "kquant": (("kq_set_prefetch_bytes", cfg.kquant_prefetch),)}.get(name, ())
 
 
 _given: dict[tuple[int, str], int] = {}  # (id(library), setter) -> the value it was given

@@ -77,7 +77,6 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "int8_gemm": _INT8, "int8_logits": _INT8,
         "int4_gemv_bf16_supported": Fn((), I32), "int4_gemv_use_amx": Fn((I32,), I32),
         "int4_set_prefetch_bytes": Fn((I64,)),
-        "int4_set_prefetch_nta": Fn((I64,)),
         "int4_gemv_bf16": _INT4_GEMV, "int4_gemv_bf16_a8": _INT4_GEMV, "int4_gemv_bf16_f32": _INT4_GEMV,
         "int8_logits_vnni": Fn(_INT8.argtypes, optional=True),
     }),
@@ -85,7 +84,6 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
     Library("kquant", ("kquant_cpu.c",), ("amx", "avx512_bf16", "avx2"), {
         "kq_isa": Fn((), I32),
         "kq_set_prefetch_bytes": Fn((I64,)),
-        "kq_set_prefetch_nta": Fn((I64,)),
         "kq_packed_bytes": Fn((I32, I64, I64), I64),
         "kq_pack": Fn((I32, P, I64, I64, I64, P), I32),
         "kq_release_file_pages": Fn((P, I64), I32),

@@ -75,15 +75,17 @@ def source_closure(sources: list[str]) -> list[str]:
     return sorted(seen)
 
 
-def command(lib: Library, level: str, march: Optional[list[str]] = None) -> list[str]:
-    """The compiler command for ``lib`` at ``level`` (``march``: other target flags instead, for tests)."""
+def command(lib: Library, level: str, march: Optional[list[str]] = None, defines: tuple[str, ...] = ()) -> list[str]:
+    """The compiler command for ``lib`` at ``level`` (``march``: other target flags instead, for tests; ``defines``:
+    ``-D`` flags of a configured variant, see ``kernels.lib``)."""
     cc = envs.get("CC") or "gcc"
     srcs = [os.path.join(CSRC, s) for s in lib.sources]
-    return [cc, *lib.flags, *(level_flags(level) if march is None else march), "-shared", "-fPIC", *srcs, "-lm"]
+    return [cc, *lib.flags, *(level_flags(level) if march is None else march), *defines, "-shared", "-fPIC", *srcs,
+            "-lm"]
 
 
-def cache_key(lib: Library, level: str, march: Optional[list[str]] = None) -> str:
-    cmd = command(lib, level, march)
+def cache_key(lib: Library, level: str, march: Optional[list[str]] = None, defines: tuple[str, ...] = ()) -> str:
+    cmd = command(lib, level, march, defines)
     h = hashlib.sha256()
     h.update("\0".join(os.path.basename(a) if a.endswith(".c") else a for a in cmd).encode())  # not the install path
     h.update(compiler_identity(cmd[0]).encode())
@@ -93,20 +95,21 @@ def cache_key(lib: Library, level: str, march: Optional[list[str]] = None) -> st
     return h.hexdigest()[:16]
 
 
-def build(lib: Library, level: str, march: Optional[list[str]] = None) -> str:
+def build(lib: Library, level: str, march: Optional[list[str]] = None, defines: tuple[str, ...] = ()) -> str:
     """Path of ``lib`` compiled for ``level`` (built now unless cached; ``march``: other target flags, ``level`` then
-    only names the file). Raises ``RuntimeError`` with the compiler's message on a failed build."""
+    only names the file; ``defines``: -D flags). Raises ``RuntimeError`` with the compiler's message on a failed
+    build."""
     import torch  # noqa: F401  (torch's libgomp is loaded first, so OpenMP kernels share its runtime)
 
     from pagedllm.model_files import cache_dir
 
     out_dir = os.path.join(str(cache_dir()), "kernels")
     os.makedirs(out_dir, exist_ok=True)
-    so = os.path.join(out_dir, f"{lib.name}-{level}-{cache_key(lib, level, march)}.so")
+    so = os.path.join(out_dir, f"{lib.name}-{level}-{cache_key(lib, level, march, defines)}.so")
     if not os.path.exists(so):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        res = subprocess.run([*command(lib, level, march), "-o", tmp], capture_output=True, text=True)
+        res = subprocess.run([*command(lib, level, march, defines), "-o", tmp], capture_output=True, text=True)
         if res.returncode != 0:
             os.unlink(tmp)
             raise RuntimeError(res.stderr[-2000:])

@@ -45,8 +45,6 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (inputs a
  * none, and the K-quant kernel's distance there was best at 2 KB (kquant_cpu.c, KQ_PREFETCH). */
 static int64_t g_pf_features = 64;
 void int4_set_prefetch_bytes(int64_t bytes) { g_pf_features = bytes < 32 ? 1 : bytes / 32; }
-static int g_int4_nta = 0; /* WEIGHT_PREFETCH's switch (prefetch.h) */
-void int4_set_prefetch_nta(int64_t on) { g_int4_nta = on != 0; }
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* The scales and zeros are [K / G][N_pad][2]: a block's 64 columns take 256 bytes per group, N_pad * 4 bytes apart,
@@ -425,8 +423,8 @@ static inline __attribute__((always_inline)) void expand_codes(const uint8_t *pb
         99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
     const __m512i idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi8(16)); /* rows 16..31 */
     const __m512i m0f = _mm512_set1_epi8(0x0F);
-    WEIGHT_PREFETCH(g_int4_nta, pb + (k + PF_FEATURES) * 32, 3);
-    WEIGHT_PREFETCH(g_int4_nta, pb + (k + PF_FEATURES + 2) * 32, 3);
+    WEIGHT_PREFETCH(pb + (k + PF_FEATURES) * 32, 3);
+    WEIGHT_PREFETCH(pb + (k + PF_FEATURES + 2) * 32, 3);
     const __m512i va = _mm512_loadu_si512((const void *)(pb + k * 32));       /* features k, k + 1 */
     const __m512i vb = _mm512_loadu_si512((const void *)(pb + (k + 2) * 32)); /* features k + 2, k + 3 */
     const __m512i la = _mm512_and_si512(va, m0f), lb = _mm512_and_si512(vb, m0f);
@@ -641,7 +639,7 @@ int int4_gemv_use_amx(int on) { /* no AMX-INT8 in this build */
 /* The 8 vectors of 16-bit codes of features (k, k + 1) of block pb: w[i] low nibbles, w[4 + i] high ones. */
 static inline __attribute__((always_inline)) void widen_pair(const uint8_t *pb, int64_t k, __m256i w[8]) {
     const __m256i zero = _mm256_setzero_si256(), lo4 = _mm256_set1_epi16(0x0F);
-    WEIGHT_PREFETCH(g_int4_nta, pb + (k + PF_FEATURES) * 32, 3);
+    WEIGHT_PREFETCH(pb + (k + PF_FEATURES) * 32, 3);
     const __m256i f0 = _mm256_loadu_si256((const __m256i *)(pb + k * 32));       /* feature k, rows 0..31 */
     const __m256i f1 = _mm256_loadu_si256((const __m256i *)(pb + (k + 1) * 32)); /* feature k + 1 */
     const __m256i ulo = _mm256_unpacklo_epi8(f0, f1), uhi = _mm256_unpackhi_epi8(f0, f1);

@@ -72,8 +72,6 @@
 static int64_t g_kq_prefetch = 2048;
 void kq_set_prefetch_bytes(int64_t bytes) { g_kq_prefetch = bytes; }
 #define KQ_PREFETCH g_kq_prefetch
-static int g_kq_nta = 0; /* WEIGHT_PREFETCH's switch (prefetch.h) */
-void kq_set_prefetch_nta(int64_t on) { g_kq_nta = on != 0; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KQ_ISA 3
@@ -566,7 +564,7 @@ static inline __attribute__((always_inline)) void kq_tile_vec(const int T, const
             const int64_t gi = sb * ng + j;
             const int lb = 4 * l0;
             if (l0 == 0) /* prefetches never fault: past the end of w they are dropped */
-                for (int pl = 0; pl < gb; pl += 64) WEIGHT_PREFETCH(g_kq_nta, g + KQ_PREFETCH + pl, 3);
+                for (int pl = 0; pl < gb; pl += 64) WEIGHT_PREFETCH(g + KQ_PREFETCH + pl, 3);
             VI cv[8];
             if (T == KQ_Q8_0) {
                 for (int c = 0; c < 8; c++) {
@@ -726,7 +724,7 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, cons
             const int64_t gi = sb * ng + j;
             if (l0 == 0)
                 for (int pl = 0; pl < gb; pl += 64)
-                    WEIGHT_PREFETCH(g_kq_nta, h + hb + j * gb + KQ_PREFETCH + pl, 3);
+                    WEIGHT_PREFETCH(h + hb + j * gb + KQ_PREFETCH + pl, 3);
             VF A0, A1, B;
             kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
             VI dq[2][4];

@@ -87,7 +87,6 @@ void int8_logits(const void *x, int64_t M, int64_t K, const int8_t *q, const flo
 int int4_gemv_bf16_supported(void);
 int int4_gemv_use_amx(int on); /* the fewest rows taking the AMX-INT8 path; 0: off, or none in the build */
 void int4_set_prefetch_bytes(int64_t bytes); /* the decode loops' prefetch distance (KernelConfig) */
-void int4_set_prefetch_nta(int64_t on);     /* those prefetches non-temporal (KernelConfig) */
 void int4_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
                     int64_t N_pad, int64_t n_out, uint16_t *out);
 void int4_gemv_bf16_a8(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *sz, int64_t G,
@@ -121,7 +120,6 @@ typedef struct {
 } kq_shard_t;
 #define KQ_MAX_SHARDS 8
 void kq_set_prefetch_bytes(int64_t bytes); /* the GEMVs' prefetch distance (KernelConfig) */
-void kq_set_prefetch_nta(int64_t on);     /* those prefetches non-temporal (KernelConfig) */
 /* kq_matmul over shards side by side (shard i's columns after shard i - 1's), in one parallel region */
 int kq_matmul_shards(const kq_shard_t *shards, int64_t n_shards, int64_t K, const int8_t *xhi, const int8_t *xlo,
                      const float *xs, const float *xsum32, const int32_t *isum16, int64_t M, void *out, int64_t ldo,
