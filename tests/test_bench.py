@@ -988,3 +988,37 @@ def test_group_rss_and_servers_table(tmp_path):
     assert "| llama.cpp | 0.9 | — | 253.2 |" in table
     assert "| vLLM-CPU (ngram) | 111.0 | 3,000.0 | — |" in table
     assert "Servers:" not in C.detail_tables(runs[:0])  # no server started: no table
+
+
+def test_servers_start_with_their_weights_read_through(tmp_path, monkeypatch):
+    """Each server starts with its weights file(s) just read through (page cache warm for every engine, not only for
+    those started after the first), and read_through reads every byte of every file."""
+    from pagedllm.benchmarks import peers
+
+    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    files[0].write_bytes(b"x" * (3 << 20))
+    files[1].write_bytes(b"y" * 10)
+    assert peers.read_through([str(f) for f in files], chunk=1 << 20) == (3 << 20) + 10
+    import gguf as G
+
+    gguf = tmp_path / "m.gguf"
+    w = G.GGUFWriter(str(gguf), "llama")  # a header alone: a file the quantized section takes
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    read = []
+    monkeypatch.setattr(C.P, "read_through", lambda paths: read.append(list(paths)) or 0)
+    _fake_servers_and_benches(monkeypatch, lambda gguf=None: None)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    C.add_compare_args(parser)
+    ns = parser.parse_args(["--peers", "llamacpp", "--sections", "quantized"])
+    ns.peers, ns.gguf = ["llamacpp"], str(gguf)
+    runs = []
+    C.run_quantized(ns, str(tmp_path), runs, {})
+    assert read == [[str(gguf)], [str(gguf)]]  # ours, then llama.cpp: both read it just before their start
+    servers = [r for r in runs if r.section == "server"]
+    assert [r.engine for r in servers] == ["pagedllm-int4", "llamacpp"]
+    assert all(r.result["model_file_bytes"] == os.path.getsize(gguf) for r in servers)

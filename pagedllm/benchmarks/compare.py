@@ -362,6 +362,7 @@ def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, .
     key = f"{eng}:{tag}" if tag else eng
     server_cmds[key] = _pretty(cmd, env_note)
     print(f"[compare] starting {server_name(key)}: {server_cmds[key]}", flush=True)
+    P.read_through(_model_files(ns, eng))  # every server starts with its weights in the page cache
     try:
         srv = P.start_server(PEER_NAMES.get(eng, eng), cmd, port,
                              os.path.join(out_dir, f"server-{eng}{'-' + tag.replace(' ', '-') if tag else ''}.log"),
@@ -376,16 +377,19 @@ def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, .
     return srv
 
 
-def _model_file_bytes(ns, eng: str) -> Optional[int]:
-    """Bytes of the weights file(s) ``eng``'s server loads: the GGUF (vLLM: its bf16 export's safetensors)."""
+def _model_files(ns, eng: str) -> list[str]:
+    """The weights file(s) ``eng``'s server loads: the GGUF (vLLM: its bf16 export's safetensors)."""
     from pagedllm.model_files import default_model_path
 
     if eng == "vllm":
         folder = P.hf_export_dir(_gguf(ns))
-        files = glob.glob(os.path.join(folder, "*.safetensors")) if folder else []
-        return sum(os.path.getsize(f) for f in files) or None
+        return sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if folder else []
     path = _gguf(ns) or default_model_path()
-    return os.path.getsize(path) if os.path.isfile(path) else None
+    return [path] if os.path.isfile(path) else []
+
+
+def _model_file_bytes(ns, eng: str) -> Optional[int]:
+    return sum(os.path.getsize(f) for f in _model_files(ns, eng)) or None
 
 
 def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict, structured: bool = False,
@@ -925,7 +929,8 @@ def detail_tables(runs: list[Run]) -> str:
     if servers:
         out += ["", "#### Servers: start-up and resident memory", "",
                 f"Start-up: from the command to `/health` and `/v1/models` answering, polled every "
-                f"{P.START_POLL_S:g} s (model load, kernel builds from their cache, KV cache allocation, warm-up). "
+                f"{P.START_POLL_S:g} s (model load, kernel builds from their cache, KV cache allocation, warm-up), "
+                "each server with its weights file(s) read through once just before (in the page cache). "
                 "RSS: the resident memory of the server's processes (their `VmRSS` summed) at that moment: weights "
                 "as held, the KV cache each engine allocated at start (ours zero-filled, so resident), runtime "
                 "libraries; a model file llama.cpp maps counts as it is read.", "",

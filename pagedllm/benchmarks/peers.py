@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from pagedllm import envs
 from pagedllm.kernels.config import cpu_flags
@@ -233,6 +233,22 @@ def wait_quiet(pgids: list[int], max_s: float = 10.0, window_s: float = QUIET_WI
 
 
 START_POLL_S = 0.2  # start_server's health polling interval: the resolution of ServerProcess.start_seconds
+
+
+def read_through(paths: Sequence[str], chunk: int = 8 << 20) -> int:
+    """Reads ``paths`` once, to the end (so their pages are in the OS page cache when a server loads them); returns
+    the bytes read. Why: compare starts the servers one after another on the same weights file, so each one after the
+    first found it cached while the first read it from disk (the Qwen2.5-Coder-1.5B file: our load's repacking 3.1 s
+    from disk, 0.7 s cached; llama.cpp, started second, looked 5x quicker to start)."""
+    total = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                n = len(f.read(chunk))
+                if not n:
+                    break
+                total += n
+    return total
 
 
 def start_server(name: str, cmd: list[str], port: int, log_path: str, env: Optional[dict] = None,
