@@ -156,7 +156,8 @@ _given: dict[tuple[int, str], int] = {}  # (id(library), setter) -> the value it
 
 def set_value(library: ctypes.CDLL, setter: str, value: int) -> None:
     """Calls ``library.<setter>(value)`` (a library-wide setting taken from the ``KernelConfig``, e.g. a prefetch
-    distance) unless that library already has ``value``: callers pass the active config's value on every lookup."""
+    distance) unless that library already has ``value``: ``lib`` calls it for each of ``_settings`` whenever a config
+    becomes active, and configs that differ elsewhere share the same build."""
     key = (id(library), setter)
     if _given.get(key) != value:
         getattr(library, setter)(value)
