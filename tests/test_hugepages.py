@@ -172,3 +172,37 @@ def test_engine_sets_the_malloc_thresholds_unless_switched_off(monkeypatch, tmp_
         LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, block_size=4,
             kv_cache_memory_bytes=1 << 20)
         assert calls == want, env
+
+
+def _rss_kb(addr: int) -> int:
+    """Resident kB of the mapping of this process holding ``addr`` (its smaps ``Rss:`` line)."""
+    for line in _mapping(addr).splitlines():
+        if line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("no Rss line")
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_kv_caches_become_resident_only_as_they_are_written(huge):
+    """The KV caches are one untouched anonymous mapping: nothing of it is resident after allocation (start-up
+    doesn't fault in the budget), a written block costs its pages only, and the caches read as zeros."""
+    from pagedllm.worker.model_runner import allocate_kv_caches
+
+    with _hugepages(huge):
+        caches = allocate_kv_caches([(4, 128)] * 4, 2048, 16, torch.bfloat16)  # 4 x 64 MiB
+    nbytes = sum(c.numel() * c.element_size() for c in caches)
+    assert nbytes == 256 << 20 and len({c.untyped_storage().data_ptr() for c in caches}) == 1
+    assert _rss_kb(caches[0].data_ptr()) == 0
+    caches[1][:, 7].fill_(1.0)  # one block of one layer: K and V, 2 x 16 KiB
+    assert 0 < _rss_kb(caches[0].data_ptr()) * 1024 <= 2 * HUGE_PAGE + 64 * 1024
+    assert bool((caches[1][:, 7] == 1).all()) and float(caches[1].float().abs().sum()) == 2 * 16 * 4 * 128
+    assert all(bool((c == 0).all()) for i, c in enumerate(caches) if i != 1)
+
+
+def test_kv_cache_larger_than_available_memory_is_refused(monkeypatch):
+    from pagedllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "_mem_available_bytes", lambda: 100 << 20)
+    with pytest.raises(ValueError, match="kv-cache-memory-bytes"):
+        model_runner.allocate_kv_caches([(4, 128)] * 4, 2048, 16, torch.bfloat16)  # 256 MiB
+    assert len(model_runner.allocate_kv_caches([(4, 128)] * 4, 512, 16, torch.bfloat16)) == 4  # 64 MiB fits

@@ -1,4 +1,5 @@
-"""CPU tensors backed by transparent huge pages (2 MiB): the KV caches (opt-in) and the GGUF K-quant weights.
+"""CPU tensors in fresh anonymous mappings: the KV caches (zero pages faulted in on first write; advised for transparent
+huge pages, 2 MiB, when opted in) and the GGUF K-quant weights (huge pages by default).
 
 Why: decode attention reads each request's KV blocks, wherever the block tables point. With 4 KiB pages that is a
 TLB miss every few blocks, and in a VM each miss is a two-level (guest + host) page walk. Measured on this machine
@@ -20,8 +21,8 @@ Measured on the Xeon (AMX, 2 threads): Gemma-3-270M's tied Q8_0 LM head (178 MB)
 Linux hands out huge pages to anonymous memory only when it is ``madvise``'d (``/sys/kernel/mm/transparent_hugepage/
 enabled`` is ``madvise`` on most distributions), and only for 2 MiB-aligned ranges, so the tensors are carved out of
 one private anonymous mapping, aligned and advised before the first touch (``madvise(2)``, ``MADV_HUGEPAGE``). Where
-that isn't available or wanted (not Linux, ``PAGEDLLM_HUGEPAGES`` not ``1``, or less than 2 MiB in all), plain
-``torch.zeros`` is used.
+that isn't available or wanted (not Linux, ``PAGEDLLM_HUGEPAGES`` not ``1``, or less than 2 MiB in all), the KV
+caches get a plain anonymous mapping (small pages, still untouched until written).
 """
 
 from __future__ import annotations
@@ -44,11 +45,17 @@ def _enabled() -> bool:
 
 
 def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed CPU tensors of the given shapes and ``dtype``, all in one huge-page-advised mapping (each one
-    page-aligned); the mapping lives as long as any of them. Every page is touched now (as ``torch.zeros`` would),
-    so no page fault lands inside a later step.
+    """Zeroed CPU tensors of the given shapes and ``dtype``, all in one fresh private anonymous mapping (each one
+    page-aligned), advised for huge pages when ``KernelConfig.hugepages`` is on; the mapping lives as long as any of
+    them.
 
-    Falls back to one ``torch.zeros`` per shape where huge pages can't be asked for.
+    Nothing is touched here: the OS hands out a zeroed page at each page's first touch (``mmap(2)``: anonymous
+    memory is zero-initialised), so the tensors read as zeros and only the pages written so far are resident. For
+    the KV caches that means start-up doesn't fault in (and zero) the whole budget: Gemma-3-270M's default 2 GiB
+    took ~1 s on 2 cores and made every server 2 GiB resident before its first request. The cost moves to the
+    first write of each page (a fault and a 4 KiB or 2 MiB zeroing, once per page for the process's life).
+
+    Falls back to one ``torch.zeros`` per shape where no anonymous mapping can be made.
     """
     elem = torch.empty((), dtype=dtype).element_size()
     sizes = [math.prod(s) * elem for s in shapes]
@@ -56,11 +63,22 @@ def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> l
     for n in sizes:
         offsets.append(total)
         total += -(-n // _ALIGN) * _ALIGN
-    arena = advised_mapping(total) if _enabled() and total >= HUGE_PAGE else None
+    arena = None
+    if total > 0:
+        arena = advised_mapping(total) if _enabled() and total >= HUGE_PAGE else anonymous_mapping(total)
     if arena is None:
         return [torch.zeros(tuple(s), dtype=dtype) for s in shapes]
-    arena.zero_()  # fresh anonymous memory is already zero; this only faults the pages in
     return [arena[o : o + n].view(dtype).view(tuple(s)) for o, n, s in zip(offsets, sizes, shapes)]
+
+
+def anonymous_mapping(nbytes: int) -> Optional[torch.Tensor]:
+    """``nbytes`` uint8 of a fresh private anonymous mapping (zero pages, faulted in on first touch), page-aligned;
+    None where none can be made. Views keep the mapping alive."""
+    try:
+        mm = mmap.mmap(-1, nbytes)
+    except (OSError, ValueError):
+        return None
+    return torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
 
 
 def advised_mapping(nbytes: int) -> Optional[torch.Tensor]:

@@ -9,6 +9,7 @@ model once, computes logits only where a token is sampled (or prompt logprobs we
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
@@ -81,12 +82,38 @@ def kv_cache_bytes_per_block(kv_spec: Sequence[KVCacheSpec], block_size: int, dt
 
 def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``). On CPU with
-    ``PAGEDLLM_HUGEPAGES=1`` they share one huge-page-backed mapping (``pagedllm.utils.hugepages``)."""
+    """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``).
+
+    On CPU they share one anonymous mapping (``pagedllm.utils.hugepages.zeros_in_hugepages``; advised for huge
+    pages with ``PAGEDLLM_HUGEPAGES=1``) whose pages become resident as blocks are first written, so the budget is
+    checked against the memory the OS says is available instead of being faulted in here.
+
+    Raises:
+        ValueError: on CPU, if the caches need more bytes than ``MemAvailable`` (Linux ``/proc/meminfo``) holds.
+    """
     shapes = [spec.cache_shape(num_blocks, block_size) for spec in as_kv_cache_specs(kv_spec)]
     if torch.device(device).type == "cpu":
+        elem = torch.empty((), dtype=dtype).element_size()
+        need = sum(math.prod(s) for s in shapes) * elem
+        avail = _mem_available_bytes()
+        if avail is not None and need > avail:
+            raise ValueError(f"The KV cache needs {need / 2**30:.2f} GiB ({num_blocks} blocks of {block_size} "
+                             f"tokens) but only {avail / 2**30:.2f} GiB of memory is available: lower "
+                             f"--kv-cache-memory-bytes.")
         return zeros_in_hugepages(shapes, dtype)
     return [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+
+
+def _mem_available_bytes() -> Optional[int]:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes; None where there is no such file (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
