@@ -202,6 +202,42 @@ def test_disk_cached_gguf_tokenizer_equals_fresh_conversion(smollm2):
     assert smollm2.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [default_model_path, gemma3_270m_path, qwen25_05b_path], ids=lambda f: f.__name__)
+def test_fast_load_from_disk_cache_equals_auto_tokenizer(path):
+    """``_load_saved_fast_tokenizer`` (a ``PreTrainedTokenizerFast`` straight over the cached ``tokenizer.json``)
+    behaves like ``AutoTokenizer`` on the same folder (the model's own class: GemmaTokenizer, Qwen2Tokenizer, ...):
+    ids, tokens, decoding of random ids, special tokens, class defaults and the chat template."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.tokenizer import _load_gguf_tokenizer, _load_saved_fast_tokenizer, _tokenizer_cache_folder
+
+    gguf = os.path.realpath(path())
+    folder = _tokenizer_cache_folder(gguf)
+    _load_gguf_tokenizer(gguf, use_disk_cache=True)  # makes the cache folder if this machine hasn't yet
+    fast, auto = _load_saved_fast_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    texts = ["Hello world", " The capital of France is Paris.\n\n", "def f(x):\n    return x**2  # déjà 👍🏽 你好",
+             "<start_of_turn>user\nhi<end_of_turn>", "<|im_start|>system\nYou are<|im_end|>", "  two  spaces\t\t",
+             "<bos><eos><pad>", "", " ", "\n"]
+    for text in texts:
+        for add_special in (True, False):
+            assert fast.encode(text, add_special_tokens=add_special) == auto.encode(text, add_special_tokens=add_special)
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(len(auto)) for _ in range(rng.randrange(1, 16))]
+        assert fast.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids",
+                 "all_special_tokens", "special_tokens_map", "padding_side", "truncation_side", "model_input_names",
+                 "clean_up_tokenization_spaces", "chat_template"):
+        assert getattr(fast, attr) == getattr(auto, attr), attr
+    assert len(fast) == len(auto) and fast.get_vocab() == auto.get_vocab()
+    assert fast.added_tokens_decoder == auto.added_tokens_decoder
+
+
 def test_gemma_tokenizer_is_sentencepiece_style(gemma3):
     assert len(gemma3) == 262144
     ids = gemma3.encode(" Hello world", add_special_tokens=False)
