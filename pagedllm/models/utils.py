@@ -23,8 +23,20 @@ from torch import nn
 
 
 def skip_init_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    """An ``nn.Linear`` without the random init (load_weights overwrites it; seconds saved for a large model)."""
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+    """An ``nn.Linear`` over uninitialized memory, without the random init (load_weights overwrites it; seconds saved
+    for a large model).
+
+    Not ``torch.nn.utils.skip_init``: its ``to_empty`` from the meta device goes through ``torch._refs``, which
+    imports ``torch.fx.experimental.symbolic_shapes`` (~0.4 s of every start-up on 2 cores, measured)."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = in_features, out_features
+    linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+    if bias:
+        linear.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+    else:
+        linear.register_parameter("bias", None)
+    return linear
 
 
 def skip_init_embedding(num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> nn.Embedding:
