@@ -144,3 +144,37 @@ def test_structured_outputs_config():
             StructuredOutputsConfig.parse(bad)
     with pytest.raises(ValueError, match="reasoning_parser"):
         StructuredOutputsConfig.parse(None, reasoning_parser="nope")
+
+
+def test_tokenizer_info_is_kept_on_disk_and_equals_a_fresh_build(tmp_path, monkeypatch):
+    """``tokenizer_info`` builds xgrammar's ``TokenizerInfo`` once per tokenizer source, keeps it under the cache
+    folder and reads it back equal to a fresh build (vocabulary as decoded, metadata, stop ids); a damaged file is
+    rebuilt; another vocab size or stop list is another entry."""
+    import xgrammar as xgr
+
+    from pagedllm.model_files import default_model_path
+    from pagedllm.structured_output import xgrammar_backend
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(default_model_path())
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    fresh = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152, stop_token_ids=[2])
+    built = xgrammar_backend.tokenizer_info(tok, 49152, [2])
+    (entry,) = (tmp_path / "xgrammar").iterdir()
+    calls = []
+    real = xgr.TokenizerInfo.from_huggingface
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", lambda *a, **k: calls.append(1) or real(*a, **k))
+    read = xgrammar_backend.tokenizer_info(tok, 49152, [2])
+    assert calls == []  # read back, not rebuilt
+    for info in (built, read):
+        assert info.dump_metadata() == fresh.dump_metadata()
+        assert info.decoded_vocab == fresh.decoded_vocab
+        assert info.stop_token_ids == [2] and info.special_token_ids == fresh.special_token_ids
+    entry.write_text(entry.read_text()[:1000])  # truncated
+    again = xgrammar_backend.tokenizer_info(tok, 49152, [2])
+    assert calls == [1] and again.decoded_vocab == fresh.decoded_vocab
+    assert xgrammar_backend.tokenizer_info(tok, 49152, [2, 0]).stop_token_ids == [0, 2]
+    assert len(list((tmp_path / "xgrammar").iterdir())) == 2
+    monkeypatch.setenv("PAGEDLLM_TOKENIZER_CACHE", "0")
+    xgrammar_backend.tokenizer_info(tok, 49152, [7])
+    assert len(list((tmp_path / "xgrammar").iterdir())) == 2

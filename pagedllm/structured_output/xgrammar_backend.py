@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Any, Sequence
+import os
+import tempfile
+from typing import Any, Optional, Sequence
 
 from pagedllm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 
@@ -88,6 +91,45 @@ class XgrammarGrammar(StructuredOutputGrammar):
         self.num_accepted = 0
 
 
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Optional[list[int]]):
+    """``xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size, stop_token_ids)``, kept on disk under
+    ``<cache_dir>/xgrammar/`` (its ``serialize_json``) and read back from there next time.
+
+    Building it reads the whole vocabulary through Python (Gemma 3's 262k tokens: 1.1 s on 2 cores, holding the GIL,
+    so a server that builds it at start-up answers nothing meanwhile); reading it back takes ~0.2 s. The key is the
+    tokenizer's source on disk (``tokenizer_fingerprint``), the xgrammar version, ``vocab_size`` and the stop ids;
+    where the tokenizer has no source on disk (or ``PAGEDLLM_TOKENIZER_CACHE=0``) it is built every time. A cache
+    file that doesn't read back is rebuilt."""
+    import importlib.metadata
+
+    from pagedllm.model_files import cache_dir
+    from pagedllm.tokenizer import tokenizer_fingerprint
+
+    xgr = _xgr()
+    source = tokenizer_fingerprint(tokenizer)
+    path = None
+    if source is not None:
+        ident = f"{source}\0{importlib.metadata.version('xgrammar')}\0{vocab_size}\0{stop_token_ids}"
+        path = os.path.join(cache_dir(), "xgrammar", hashlib.sha256(ident.encode()).hexdigest()[:24] + ".json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return xgr.TokenizerInfo.deserialize_json(f.read())
+        except Exception:  # noqa: BLE001 - absent, truncated or from another build: rebuild it below
+            pass
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(info.serialize_json())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+        except OSError:
+            pass  # a read-only cache: build it every time
+    return info
+
+
 class XgrammarBackend(StructuredOutputBackend):
     """Over an ``xgrammar.TokenizerInfo``; ``vocab_size`` is the model's logits width (it may exceed the tokenizer's
     vocabulary: padding ids are never allowed)."""
@@ -103,8 +145,7 @@ class XgrammarBackend(StructuredOutputBackend):
                          max_threads: int = 2) -> "XgrammarBackend":
         """``stop_token_ids``: the engine's EOS ids, allowed only where the grammar may end."""
         stops = sorted(int(t) for t in stop_token_ids) or None
-        info = _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
-        return cls(info, vocab_size, max_threads)
+        return cls(tokenizer_info(tokenizer, vocab_size, stops), vocab_size, max_threads)
 
     def compile(self, kind: str, spec: str, any_whitespace: bool) -> Any:
         try:
