@@ -714,6 +714,11 @@ def test_compare_quantized_rows():
     assert "| 30.0 ms | 12.5 ms | 42% |" in C.floor_table(runs)
     runs[0].host_read = [15.0, None]  # slower than the floor run's: its 20 GB/s stands
     assert C.quant_memory_floor_ms(runs) == pytest.approx(25.0)
+    step_row = f"{q}: engine decode step / memory floor, read bandwidth probed around each request (median)"
+    assert rows[step_row].ours is None  # a floor run without --engine-step
+    runs[-1].result["engine_step"] = {"median_ratio": 1.17, "rounds": []}
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    assert rows[step_row].ours == 1.17 and rows[step_row].is_ratio and not rows[step_row].higher_better
 
 
 def test_compare_vllm_client_rows(tmp_path):
@@ -1022,3 +1027,22 @@ def test_servers_start_with_their_weights_read_through(tmp_path, monkeypatch):
     servers = [r for r in runs if r.section == "server"]
     assert [r.engine for r in servers] == ["pagedllm-int4", "llamacpp"]
     assert all(r.result["model_file_bytes"] == os.path.getsize(gguf) for r in servers)
+
+
+@pytest.mark.slow
+def test_engine_step_vs_read_on_the_bundled_gguf():
+    """``bench floor --engine-step``: each request's median decode step over the floor of its own seconds (the GGUF's
+    bytes per token over the faster of the probes around it)."""
+    from pagedllm.benchmarks.floor import engine_step_vs_read, gguf_bytes_per_token
+    from pagedllm.model_files import default_model_path
+
+    res = engine_step_vs_read(default_model_path(), rounds=2, input_len=16, output_len=12)
+    weight = gguf_bytes_per_token(default_model_path())["weight_bytes_per_token"]
+    assert res["weight_bytes_per_token"] == weight and len(res["rounds"]) == 2
+    for r in res["rounds"]:
+        assert r["step_ms"] > 0 and min(r["read_gb_per_s"]) > 0
+        assert r["floor_ms"] == pytest.approx(1e3 * weight / (max(r["read_gb_per_s"]) * 1e9))
+        assert r["ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+    assert min(r["ratio"] for r in res["rounds"]) <= res["median_ratio"] <= max(r["ratio"] for r in res["rounds"])
+    with pytest.raises(ValueError, match="GGUF"):
+        engine_step_vs_read("/some/hf-folder")

@@ -241,6 +241,63 @@ def host_read_gb_per_s(buffer_bytes: int = 256 << 20, reps: int = 3) -> float:
     return best / 1e9
 
 
+def engine_step_vs_read(model: str, rounds: int = 8, input_len: int = 128, output_len: int = 64,
+                        quantization: Optional[str] = "gguf", seed: int = 0) -> dict:
+    """The engine's decode step over the memory floor, with the bandwidth measured in the same seconds.
+
+    One request at a time (``input_len`` random prompt ids, ``output_len`` greedy tokens, EOS ignored) through
+    ``LLMEngine.step``, ``rounds`` times; around each request the host's read bandwidth is probed
+    (``host_read_gb_per_s``) and the request's median decode step is divided by its floor: the GGUF's bytes per
+    token (``gguf_bytes_per_token``) over the better of the two probes. A floor from a probe taken minutes away
+    means little on a shared host (AMD EPYC Zen 5: 40-97 GB/s within the hour), and a memory-bound step moves with
+    it; so each request's ratio takes the bandwidth of its own seconds (the faster probe: the lower floor).
+
+    Returns ``{"weight_bytes_per_token", "rounds": [{"step_ms", "read_gb_per_s": [before, after], "floor_ms",
+    "ratio"}], "median_ratio", "median_step_ms", "median_read_gb_per_s"}`` (ms, GB/s). The first two decode steps
+    of each request are left out (the step after prefill, and the first one reading the new blocks).
+
+    Raises:
+        ValueError: if ``model`` is not a GGUF file (the floor is the file's bytes as stored), or for
+            ``output_len < 6`` / ``rounds < 1``.
+    """
+    import random
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
+
+    if not str(model).endswith(".gguf"):
+        raise ValueError("--engine-step needs --model GGUF (the floor is the file's bytes per token as stored)")
+    if output_len < 6 or rounds < 1:
+        raise ValueError("engine_step_vs_read needs output_len >= 6 and rounds >= 1")
+    weight = gguf_bytes_per_token(model)["weight_bytes_per_token"]
+    llm = LLM(model=model, quantization=quantization, enable_prefix_caching=False, max_model_len=2048)
+    eng = llm.llm_engine
+    llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    vocab = eng.config.model.vocab_size
+    rng = random.Random(seed)
+    rows = []
+    for r in range(rounds):
+        sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        sp.output_kind = RequestOutputKind.DELTA
+        before = host_read_gb_per_s()
+        eng.add_request(f"floor-{r}", {"prompt_token_ids": [rng.randrange(vocab // 8, vocab // 2)
+                                                            for _ in range(input_len)]}, sp)
+        steps = []
+        while eng.has_unfinished_requests():
+            t0 = time.perf_counter()
+            eng.step()
+            steps.append(time.perf_counter() - t0)
+        after = host_read_gb_per_s()
+        step_ms = 1e3 * statistics.median(steps[3:])  # steps[0]: prefill; [1], [2]: see the docstring
+        floor_ms = 1e3 * weight / (max(before, after) * 1e9)
+        rows.append({"step_ms": step_ms, "read_gb_per_s": [before, after], "floor_ms": floor_ms,
+                     "ratio": step_ms / floor_ms})
+    return {"weight_bytes_per_token": weight, "rounds": rows,
+            "median_ratio": statistics.median(x["ratio"] for x in rows),
+            "median_step_ms": statistics.median(x["step_ms"] for x in rows),
+            "median_read_gb_per_s": statistics.median(max(x["read_gb_per_s"]) for x in rows)}
+
+
 def num_matmul_params(shapes: dict) -> int:
     """Weights one token multiplies: every layer's QKV, O, gate/up and down projections, plus the LM head."""
     h, i_, nh, nkv, hd, L, V = (shapes[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim",
@@ -280,6 +337,10 @@ def add_floor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", action="store_true")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--engine-step", action="store_true",
+                   help="Also time the engine's own decode step on --model (a GGUF, kept as stored) against the "
+                        "memory floor, the read bandwidth probed around each request (engine_step_vs_read).")
+    p.add_argument("--engine-step-rounds", type=int, default=8)
 
 
 def cmd_floor(ns: argparse.Namespace) -> int:
@@ -292,6 +353,8 @@ def cmd_floor(ns: argparse.Namespace) -> int:
         q = gguf_bytes_per_token(shapes["source"])
         q["memory_floor_ms"] = 1000.0 * q["weight_bytes_per_token"] / (limits["mem_read_gb_per_s"] * 1e9)
         res["quantized"] = q
+    if ns.engine_step:
+        res["engine_step"] = engine_step_vs_read(shapes["source"], rounds=ns.engine_step_rounds)
     if ns.json:
         print(json.dumps(res))
     else:
@@ -308,6 +371,11 @@ def cmd_floor(ns: argparse.Namespace) -> int:
             head = "tied" if q["tied_lm_head"] else "separate"
             print(f"the GGUF as stored: {q['weight_bytes_per_token'] / 1e6:.0f} MB read per decode token ({head} LM "
                   f"head): memory floor {q['memory_floor_ms']:.2f} ms")
+        if "engine_step" in res:
+            e = res["engine_step"]
+            print(f"engine decode step (one request, {len(e['rounds'])} requests): median {e['median_step_ms']:.2f} "
+                  f"ms = {e['median_ratio']:.2f}x the memory floor at the bandwidth probed around each request "
+                  f"(median {e['median_read_gb_per_s']:.0f} GB/s)")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(res, f, indent=1)
