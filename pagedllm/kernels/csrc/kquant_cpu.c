@@ -260,33 +260,6 @@ void kq_quantize_act(const void *x, int64_t M, int64_t K, int is_bf16, int8_t *x
 
 /* ---- the file's codes, and the repack ------------------------------------------------------------------------- */
 
-/* Codes of group j (32 inputs) of the file block blk: Q8_0 its signed q, the others the unsigned code. */
-static inline __attribute__((always_inline)) void kq_file_codes(const int T, const uint8_t *blk, int j, int c[32]) {
-    if (T == KQ_Q8_0) {
-        for (int e = 0; e < 32; e++) c[e] = (int8_t)blk[2 + e];
-    } else if (T == KQ_Q5_0) {
-        uint32_t qh;
-        memcpy(&qh, blk + 2, 4);
-        for (int e = 0; e < 32; e++) {
-            const int nib = e < 16 ? (blk[6 + e] & 15) : (blk[6 + e - 16] >> 4);
-            c[e] = nib | (int)(((qh >> e) & 1u) << 4);
-        }
-    } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
-        const uint8_t *qs = blk + (T == KQ_Q4_K ? 16 : 48) + 32 * (j / 2);
-        for (int e = 0; e < 32; e++) {
-            c[e] = (j & 1) ? (qs[e] >> 4) : (qs[e] & 15);
-            if (T == KQ_Q5_K) c[e] |= ((blk[16 + e] >> j) & 1) << 4;
-        }
-    } else { /* Q6_K: group j = 4 h + s */
-        const int h = j / 4, s = j % 4;
-        const uint8_t *ql = blk + 64 * h + 32 * (s & 1), *qh = blk + 128 + 32 * h;
-        for (int e = 0; e < 32; e++) {
-            const int lo = (s >= 2) ? (ql[e] >> 4) : (ql[e] & 15);
-            c[e] = lo | (((qh[e] >> (2 * s)) & 3) << 4);
-        }
-    }
-}
-
 /* Offset of the nibble vectors in a tiled group (after the high-bit vectors). */
 static inline int kq_nib_off(const int T) { return (T == KQ_Q5_0 || T == KQ_Q5_K) ? 64 : T == KQ_Q6_K ? 128 : 0; }
 
@@ -303,6 +276,62 @@ static void kq_tile_codes(const int T, const uint8_t *g, int r, int c[32]) {
         if (T == KQ_Q5_0 || T == KQ_Q5_K) v |= ((g[b] >> ch) & 1) << 4;
         if (T == KQ_Q6_K) v |= ((g[64 * (ch / 4) + b] >> (2 * (ch & 3))) & 3) << 4;
         c[k] = v;
+    }
+}
+
+static inline uint32_t kq_word(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static inline void kq_put_word(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+/* Group j (32 inputs) of one row's file block blk -> that row's lanes of the tiled group (g = the group's start
+ * + 4 r). Byte e of a tiled vector's 32-bit word holds the row's code of input 4 ch + e (see the layout at the
+ * top), and byte e of 4 consecutive file bytes is input e of them, so each word is a few whole-word operations on
+ * the file's bytes. Bit for bit the layout of the per-code loop it replaced (checked on random blocks of every
+ * type), 2.5-4x faster (AMD EPYC Zen 5, 1536 x 8960 weights: Q4_K 4.3 -> 10.8 GB/s, Q6_K 2.6 -> 7.8 GB/s);
+ * kq_tile_codes reads it back code by code, and the tests compare that with gguf's dequantization. */
+static inline __attribute__((always_inline)) void kq_pack_group(const int T, const uint8_t *blk, int j, uint8_t *g) {
+    const uint32_t m4 = 0x0F0F0F0Fu;
+    if (T == KQ_Q8_0) { /* chunk ch: the signed codes of inputs 4 ch .. 4 ch + 3 as they are */
+        for (int ch = 0; ch < 8; ch++) kq_put_word(g + 64 * ch, kq_word(blk + 2 + 4 * ch));
+    } else if (T == KQ_Q5_0) { /* file byte i: low nibble input i, high nibble input 16 + i: the tiled nibble word */
+        const uint32_t qh = kq_word(blk + 2);
+        for (int v = 0; v < 4; v++) kq_put_word(g + 64 + 64 * v, kq_word(blk + 6 + 4 * v));
+        uint32_t bits = 0;
+        for (int e = 0; e < 4; e++) {
+            uint32_t b = 0;
+            for (int ch = 0; ch < 8; ch++) b |= ((qh >> (4 * ch + e)) & 1u) << ch;
+            bits |= b << (8 * e);
+        }
+        kq_put_word(g, bits);
+    } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
+        const uint8_t *qs = blk + (T == KQ_Q4_K ? 16 : 48) + 32 * (j / 2);
+        const int sh = (j & 1) ? 4 : 0, off = T == KQ_Q5_K ? 64 : 0;
+        for (int v = 0; v < 4; v++) {
+            const uint32_t lo = (kq_word(qs + 4 * v) >> sh) & m4, hi = (kq_word(qs + 16 + 4 * v) >> sh) & m4;
+            kq_put_word(g + off + 64 * v, lo | (hi << 4));
+        }
+        if (T == KQ_Q5_K) { /* the fifth bit of input k: bit j of blk[16 + k] */
+            uint32_t bits = 0;
+            for (int ch = 0; ch < 8; ch++) bits |= ((kq_word(blk + 16 + 4 * ch) >> j) & 0x01010101u) << ch;
+            kq_put_word(g, bits);
+        }
+    } else { /* Q6_K, group j = 4 h + s: low nibbles from ql (high half for s >= 2), 2 high bits from qh >> 2 s */
+        const int h = j / 4, s = j % 4;
+        const uint8_t *ql = blk + 64 * h + 32 * (s & 1), *qh = blk + 128 + 32 * h;
+        const int sh = s >= 2 ? 4 : 0;
+        for (int v = 0; v < 4; v++) {
+            const uint32_t lo = (kq_word(ql + 4 * v) >> sh) & m4, hi = (kq_word(ql + 16 + 4 * v) >> sh) & m4;
+            kq_put_word(g + 128 + 64 * v, lo | (hi << 4));
+        }
+        for (int hh = 0; hh < 2; hh++) {
+            uint32_t bits = 0;
+            for (int cc = 0; cc < 4; cc++)
+                bits |= ((kq_word(qh + 16 * hh + 4 * cc) >> (2 * s)) & 0x03030303u) << (2 * cc);
+            kq_put_word(g + 64 * hh, bits);
+        }
     }
 }
 
@@ -331,31 +360,7 @@ static inline __attribute__((always_inline)) void kq_pack_block(const int T, con
             memcpy(o + 2 * r, blk + 208, 2);
             for (int s = 0; s < 16; s++) o[32 + 16 * s + r] = blk[192 + s];
         }
-        for (int j = 0; j < qk / 32; j++) {
-            uint8_t *g = o + hb + j * gb;
-            int c[32];
-            kq_file_codes(T, blk, j, c);
-            for (int e = 0; e < 4; e++) {
-                const int b = 4 * r + e;
-                if (T == KQ_Q8_0) {
-                    for (int ch = 0; ch < 8; ch++) g[64 * ch + b] = (uint8_t)c[4 * ch + e];
-                    continue;
-                }
-                for (int v = 0; v < 4; v++) /* chunk v low nibble, chunk v + 4 high */
-                    g[kq_nib_off(T) + 64 * v + b] = (uint8_t)((c[4 * v + e] & 15) | ((c[16 + 4 * v + e] & 15) << 4));
-                if (T == KQ_Q5_0 || T == KQ_Q5_K) {
-                    int bits = 0;
-                    for (int ch = 0; ch < 8; ch++) bits |= ((c[4 * ch + e] >> 4) & 1) << ch;
-                    g[b] = (uint8_t)bits;
-                }
-                if (T == KQ_Q6_K)
-                    for (int hh = 0; hh < 2; hh++) {
-                        int bits = 0;
-                        for (int cc = 0; cc < 4; cc++) bits |= ((c[4 * (4 * hh + cc) + e] >> 4) & 3) << (2 * cc);
-                        g[64 * hh + b] = (uint8_t)bits;
-                    }
-            }
-        }
+        for (int j = 0; j < qk / 32; j++) kq_pack_group(T, blk, j, o + hb + j * gb + 4 * r);
     }
 }
 
