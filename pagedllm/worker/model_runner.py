@@ -86,7 +86,9 @@ def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_si
 
     On CPU they share one anonymous mapping (``pagedllm.utils.hugepages.zeros_in_hugepages``; advised for huge
     pages with ``PAGEDLLM_HUGEPAGES=1``) whose pages become resident as blocks are first written, so the budget is
-    checked against the memory the OS says is available instead of being faulted in here.
+    checked against the memory the OS says is available instead of being faulted in here. The check can't see what
+    other processes will take later (another server's untouched KV cache included): size
+    ``--kv-cache-memory-bytes`` for the machine, as a full cache is resident memory.
 
     Raises:
         ValueError: on CPU, if the caches need more bytes than ``MemAvailable`` (Linux ``/proc/meminfo``) holds.
