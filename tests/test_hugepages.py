@@ -206,3 +206,17 @@ def test_kv_cache_larger_than_available_memory_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="kv-cache-memory-bytes"):
         model_runner.allocate_kv_caches([(4, 128)] * 4, 2048, 16, torch.bfloat16)  # 256 MiB
     assert len(model_runner.allocate_kv_caches([(4, 128)] * 4, 512, 16, torch.bfloat16)) == 4  # 64 MiB fits
+
+
+def test_kv_caches_are_private_memory():
+    """The KV caches' mapping is private anonymous memory (as malloc's), not shared memory (Python's plain
+    ``mmap(-1, n)`` maps shmem, which a forked child would share): smaps shows it without the shared flag and
+    without the ``/dev/zero`` backing of a shared anonymous mapping."""
+    from pagedllm.worker.model_runner import allocate_kv_caches
+
+    with _hugepages(False):
+        (cache,) = allocate_kv_caches([(1, 64)], 64, 16, torch.float32)
+    cache[0, 0].fill_(1.0)
+    entry = _mapping(cache.data_ptr())
+    assert entry and "sh" not in _vm_flags(cache.data_ptr()) and "/dev/zero" not in entry.splitlines()[0]
+    assert float(cache.sum()) == 16 * 64

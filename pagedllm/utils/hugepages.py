@@ -73,9 +73,13 @@ def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> l
 
 def anonymous_mapping(nbytes: int) -> Optional[torch.Tensor]:
     """``nbytes`` uint8 of a fresh private anonymous mapping (zero pages, faulted in on first touch), page-aligned;
-    None where none can be made. Views keep the mapping alive."""
+    None where none can be made. Views keep the mapping alive. Private, as ``malloc``'s memory is (Python's
+    ``mmap(-1, n)`` alone maps shared memory on Unix: shmem pages, and shared with any child forked later)."""
     try:
-        mm = mmap.mmap(-1, nbytes)
+        if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+            mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:  # Windows: anonymous memory of this process
+            mm = mmap.mmap(-1, nbytes)
     except (OSError, ValueError):
         return None
     return torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
