@@ -118,6 +118,7 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Optional[list[int
             pass
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     if path is not None:
+        tmp = None
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
@@ -125,8 +126,12 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Optional[list[int
                 f.write(info.serialize_json())
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+            tmp = None
         except OSError:
-            pass  # a read-only cache: build it every time
+            pass  # a read-only or full cache: build it every time
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
     return info
 
 
