@@ -61,7 +61,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "activation error), or auto (bf16 at avx512_bf16, int16 below)."),
     # Files and tools.
     EnvVar("PAGEDLLM_CACHE_DIR", None, "Folder for assembled model files and built kernels (default ~/.cache/pagedllm)."),
-    EnvVar("PAGEDLLM_TOKENIZER_CACHE", "1", "0: don't keep converted GGUF tokenizers on disk."),
+    EnvVar("PAGEDLLM_TOKENIZER_CACHE", "1",
+           "0: don't keep converted GGUF tokenizers (nor xgrammar's tokenizer info) on disk."),
     EnvVar("PAGEDLLM_API_KEY", None, "Default of serve --api-key."),
     EnvVar("PAGEDLLM_PEERS_DIR", None, "Folder of the benchmark peers (default .peers/ in the checkout)."),
     EnvVar("CC", "gcc", "C compiler for the kernels."),
