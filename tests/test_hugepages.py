@@ -1,4 +1,5 @@
-"""``zeros_in_hugepages``: zeroed, separate, writable tensors in one mapping advised for transparent huge pages."""
+"""``zeroed_mapping``: zeroed, separate, writable tensors in one untouched mapping (advised for transparent huge pages
+when asked); the weight arena's huge-page chunks."""
 
 import dataclasses
 import gc
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm import kernels
-from pagedllm.utils.hugepages import HUGE_PAGE, WeightArena, weight_arena, weight_empty, zeros_in_hugepages
+from pagedllm.utils.hugepages import HUGE_PAGE, WeightArena, weight_arena, weight_empty, zeroed_mapping
 
 
 def _hugepages(on: bool):
@@ -40,10 +41,10 @@ def _vm_flags(addr: int) -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
-def test_zeros_in_hugepages_are_separate_zeroed_and_advised():
+def test_zeroed_mapping_tensors_are_separate_zeroed_and_advised():
     shapes = [(3, 1000, 7), (5,), (2, HUGE_PAGE // 2)]
     with _hugepages(True):
-        ts = zeros_in_hugepages(shapes, torch.bfloat16)
+        ts = zeroed_mapping(shapes, torch.bfloat16)
     assert [tuple(t.shape) for t in ts] == shapes and all(t.dtype == torch.bfloat16 for t in ts)
     assert all(bool((t == 0).all()) for t in ts)
     assert all(t.data_ptr() % 4096 == 0 for t in ts)
@@ -57,8 +58,8 @@ def test_zeros_in_hugepages_are_separate_zeroed_and_advised():
     gc.collect()
     assert bool((keep == 2).all())  # the mapping lives as long as any of its tensors
     with _hugepages(False):
-        (plain,) = zeros_in_hugepages([(HUGE_PAGE,)], torch.float32)
-    # torch.zeros' own storage (its mapping's flags are the heap's or a fresh mmap's: see the next test)
+        (plain,) = zeroed_mapping([(HUGE_PAGE,)], torch.float32)
+    # without huge pages: a plain private mapping of exactly the tensor's bytes
     assert plain.untyped_storage().nbytes() == 4 * HUGE_PAGE and bool((plain == 0).all())
 
 

@@ -44,7 +44,7 @@ def _enabled() -> bool:
     return kernels.config().hugepages and hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+def zeroed_mapping(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Zeroed CPU tensors of the given shapes and ``dtype``, all in one fresh private anonymous mapping (each one
     page-aligned), advised for huge pages when ``KernelConfig.hugepages`` is on; the mapping lives as long as any of
     them.
@@ -71,28 +71,30 @@ def zeros_in_hugepages(shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> l
     return [arena[o : o + n].view(dtype).view(tuple(s)) for o, n, s in zip(offsets, sizes, shapes)]
 
 
-def anonymous_mapping(nbytes: int) -> Optional[torch.Tensor]:
-    """``nbytes`` uint8 of a fresh private anonymous mapping (zero pages, faulted in on first touch), page-aligned;
-    None where none can be made. Views keep the mapping alive. Private, as ``malloc``'s memory is (Python's
-    ``mmap(-1, n)`` alone maps shared memory on Unix: shmem pages, and shared with any child forked later)."""
+def _private_anonymous(nbytes: int) -> Optional[mmap.mmap]:
+    """A fresh private anonymous mapping of ``nbytes`` (zero pages, faulted in on first touch), as ``malloc``'s memory
+    is (Python's ``mmap(-1, n)`` alone maps shared memory on Unix: shmem pages, shared with any child forked later);
+    None where none can be made."""
     try:
         if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
-            mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        else:  # Windows: anonymous memory of this process
-            mm = mmap.mmap(-1, nbytes)
+            return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return mmap.mmap(-1, nbytes)  # Windows: anonymous memory of this process
     except (OSError, ValueError):
         return None
-    return torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
+
+
+def anonymous_mapping(nbytes: int) -> Optional[torch.Tensor]:
+    """``nbytes`` uint8 of a fresh private anonymous mapping (``_private_anonymous``), page-aligned; None where none
+    can be made. Views keep the mapping alive."""
+    mm = _private_anonymous(nbytes)
+    return None if mm is None else torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
 
 
 def advised_mapping(nbytes: int) -> Optional[torch.Tensor]:
     """``nbytes`` uint8 of a fresh private anonymous mapping, starting on a huge page and advised for huge pages
     (``MADV_HUGEPAGE``); None where no such mapping can be made. Untouched; views keep the mapping alive."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    try:
-        mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, ValueError):
+    mm = _private_anonymous(nbytes + HUGE_PAGE) if hasattr(mmap, "MADV_HUGEPAGE") else None
+    if mm is None:
         return None
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive
     start = (-raw.data_ptr()) % HUGE_PAGE

@@ -36,7 +36,7 @@ from pagedllm.spec_decode.adaptive import StepCosts
 from pagedllm.spec_decode.drafter import make_drafter
 from pagedllm.spec_decode.verify import GeneratorRewind, accept, verify_rows
 from pagedllm.structured_output import apply_grammar_bitmask
-from pagedllm.utils.hugepages import zeros_in_hugepages
+from pagedllm.utils.hugepages import zeroed_mapping
 from pagedllm.utils.malloc import keep_step_memory
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_si
                        device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """One zeroed cache tensor per layer, shaped by its spec (see ``pagedllm.kv_cache_spec``).
 
-    On CPU they share one anonymous mapping (``pagedllm.utils.hugepages.zeros_in_hugepages``; advised for huge
+    On CPU they share one anonymous mapping (``pagedllm.utils.hugepages.zeroed_mapping``; advised for huge
     pages with ``PAGEDLLM_HUGEPAGES=1``) whose pages become resident as blocks are first written, so the budget is
     checked against the memory the OS says is available instead of being faulted in here. The check can't see what
     other processes will take later (another server's untouched KV cache included): size
@@ -102,7 +102,7 @@ def allocate_kv_caches(kv_spec: Sequence[KVCacheSpec], num_blocks: int, block_si
             raise ValueError(f"The KV cache needs {need / 2**30:.2f} GiB ({num_blocks} blocks of {block_size} "
                              f"tokens) but only {avail / 2**30:.2f} GiB of memory is available: lower "
                              f"--kv-cache-memory-bytes.")
-        return zeros_in_hugepages(shapes, dtype)
+        return zeroed_mapping(shapes, dtype)
     return [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
 
 

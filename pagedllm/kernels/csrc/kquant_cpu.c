@@ -298,7 +298,7 @@ static inline __attribute__((always_inline)) void kq_pack_group(const int T, con
         for (int ch = 0; ch < 8; ch++) kq_put_word(g + 64 * ch, kq_word(blk + 2 + 4 * ch));
     } else if (T == KQ_Q5_0) { /* file byte i: low nibble input i, high nibble input 16 + i: the tiled nibble word */
         const uint32_t qh = kq_word(blk + 2);
-        for (int v = 0; v < 4; v++) kq_put_word(g + 64 + 64 * v, kq_word(blk + 6 + 4 * v));
+        for (int v = 0; v < 4; v++) kq_put_word(g + kq_nib_off(T) + 64 * v, kq_word(blk + 6 + 4 * v));
         uint32_t bits = 0;
         for (int e = 0; e < 4; e++) {
             uint32_t b = 0;
@@ -308,10 +308,10 @@ static inline __attribute__((always_inline)) void kq_pack_group(const int T, con
         kq_put_word(g, bits);
     } else if (T == KQ_Q4_K || T == KQ_Q5_K) {
         const uint8_t *qs = blk + (T == KQ_Q4_K ? 16 : 48) + 32 * (j / 2);
-        const int sh = (j & 1) ? 4 : 0, off = T == KQ_Q5_K ? 64 : 0;
+        const int sh = (j & 1) ? 4 : 0;
         for (int v = 0; v < 4; v++) {
             const uint32_t lo = (kq_word(qs + 4 * v) >> sh) & m4, hi = (kq_word(qs + 16 + 4 * v) >> sh) & m4;
-            kq_put_word(g + off + 64 * v, lo | (hi << 4));
+            kq_put_word(g + kq_nib_off(T) + 64 * v, lo | (hi << 4));
         }
         if (T == KQ_Q5_K) { /* the fifth bit of input k: bit j of blk[16 + k] */
             uint32_t bits = 0;
@@ -324,7 +324,7 @@ static inline __attribute__((always_inline)) void kq_pack_group(const int T, con
         const int sh = s >= 2 ? 4 : 0;
         for (int v = 0; v < 4; v++) {
             const uint32_t lo = (kq_word(ql + 4 * v) >> sh) & m4, hi = (kq_word(ql + 16 + 4 * v) >> sh) & m4;
-            kq_put_word(g + 128 + 64 * v, lo | (hi << 4));
+            kq_put_word(g + kq_nib_off(T) + 64 * v, lo | (hi << 4));
         }
         for (int hh = 0; hh < 2; hh++) {
             uint32_t bits = 0;
@@ -405,11 +405,7 @@ typedef struct {
     const int16_t *xq16; /* AVX2 without VNNI: xq = 128 hi + lo [M][K] as int16 (kq_matmul builds it), else NULL */
 } kq_act;
 
-static inline int32_t kq_ld32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
+static inline int32_t kq_ld32(const int8_t *p) { return (int32_t)kq_word((const uint8_t *)p); }
 
 #if KQ_ISA == 3
 typedef __m512i VI;
