@@ -254,3 +254,53 @@ def test_utilization_counts_every_group_and_skips_released_blocks():
     assert kv.num_allocated_blocks() == held0 + held1
     assert u == pytest.approx((r.num_computed_tokens + live1) / ((held0 + held1) * 4))
     assert 0 < u <= 1
+
+
+@pytest.mark.parametrize("windows,num_blocks,caching", [([None, 6, 6], 30, True), ([6], 12, True), ([None, 5, 9], 30, False),
+                                                        ([None], 16, True)])
+def test_quiet_fast_path_changes_nothing(windows, num_blocks, caching):
+    # allocate_slots / release_out_of_window return early for a request inside its blocks (KVCacheManager._quiet):
+    # the same workload with the early return disabled must give the same schedule, block tables (every group),
+    # free-list order, prefix-cache contents and outputs, step by step; the fast path must have been taken.
+    def trace(fast: bool):
+        sched = make_sched(windows, num_blocks=num_blocks, block_size=4, budget=10, max_model_len=80, caching=caching)
+        kv = sched.kv
+        calls = [0, 0]  # allocate_slots calls, of which went the whole way (recorded their limits) or failed
+        limits, allocate = kv._quiet_limits, kv.allocate_slots
+
+        def counting_limits(rid):
+            calls[1] += 1
+            return limits(rid) if fast else (0, 0, 0)  # (0, 0, 0): never quiet
+
+        def counting_allocate(*a, **k):
+            calls[0] += 1
+            got = allocate(*a, **k)
+            calls[1] += got is None
+            return got
+
+        kv._quiet_limits, kv.allocate_slots = counting_limits, counting_allocate
+        runner = WindowSimRunner(sched)
+        for i in range(7):
+            p = [7, 7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8][: 6 + i] + list(range(20, 20 + 2 * i))
+            sched.add_request(make_request(f"r{i}", p, 10 + 3 * i))
+        steps = []
+
+        def on_step(so):
+            tables = [{rid: [b.block_id for b in blocks] for rid, blocks in kv.group_req_to_blocks[g].items()}
+                      for g in range(kv.num_groups)]
+            free = kv.block_pool.free_block_queue.block_ids()
+            cached = sorted((h, b.block_id) for h, b in kv.block_pool.cached_block_hash_to_block.items())
+            steps.append((dict(so.num_scheduled_tokens), [c.new_block_ids for c in so.scheduled_cached_reqs],
+                          {k: [list(t) for t in v] for k, v in so.new_group_block_ids.items()}, tables, free, cached))
+
+        out = run(sched, runner, on_step=on_step)
+        assert pool_whole(sched)
+        return out, steps, sched.num_preemptions, calls[0] - calls[1]  # the early returns
+
+    fast, slow = trace(True), trace(False)
+    assert fast[3] > 0 and slow[3] == 0
+    assert fast[0] == slow[0]
+    assert fast[2] == slow[2]
+    assert len(fast[1]) == len(slow[1])
+    for i, (a, b) in enumerate(zip(fast[1], slow[1])):
+        assert a == b, f"step {i}"
