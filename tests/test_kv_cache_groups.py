@@ -304,3 +304,19 @@ def test_quiet_fast_path_changes_nothing(windows, num_blocks, caching):
     assert len(fast[1]) == len(slow[1])
     for i, (a, b) in enumerate(zip(fast[1], slow[1])):
         assert a == b, f"step {i}"
+
+
+def test_block_tables_array_pads_each_table_with_the_null_block():
+    import numpy as np
+
+    from pagedllm.worker.model_runner import block_tables_array
+
+    rng = np.random.default_rng(0)
+    for groups, n in ((1, 1), (1, 5), (6, 1), (6, 16), (3, 4)):
+        tables = [list(rng.integers(1, 1000, rng.integers(1, 9))) for _ in range(groups * n)]
+        got = block_tables_array(tables, groups, n)
+        width = max(len(t) for t in tables)
+        want = np.zeros((groups, n, width), dtype=np.int64)
+        for k, t in enumerate(tables):
+            want[k // n, k % n, : len(t)] = t
+        assert got.dtype == np.int64 and got.shape == want.shape and (got == want).all()

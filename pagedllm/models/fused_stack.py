@@ -67,10 +67,10 @@ def _linear_kind(mod: Any) -> Optional[int]:
 def built_stack(model: Any, cls: type) -> Optional["FusedStack"]:
     """``model``'s C layer loop (``cls.build``), built on the first call after its weights are packed or quantized
     and kept on the model; None where it can't run, or while the weights are still loading (the Python loop)."""
-    from pagedllm.layers.packed_linear import PackedLinear
-
     stack = model.__dict__.get("_stack", False)
     if stack is False:
+        from pagedllm.layers.packed_linear import PackedLinear
+
         qkv = getattr(getattr(model.layers[0], "self_attn", None), "qkv_proj", None)
         if not isinstance(qkv, PackedLinear) and getattr(qkv, "kind", "loading") == "loading":
             return None

@@ -8,10 +8,11 @@ model once, computes logits only where a token is sampled (or prompt logprobs we
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -160,6 +161,19 @@ def determine_num_blocks(config: EngineConfig, kv_spec: Sequence[KVCacheSpec],
     return int(num_blocks)
 
 
+def block_tables_array(tables: Sequence[Sequence[int]], groups: int, num_reqs: int) -> np.ndarray:
+    """``tables``: ``groups * num_reqs`` block id lists, group-major -> ``[groups, num_reqs, width]`` int64, each
+    padded with 0 (the null block) to the longest (one conversion of a flat list: about half the time of a row
+    assignment per table at 16 requests and 6 groups)."""
+    width = max(len(t) for t in tables)
+    flat: list[int] = []
+    for t in tables:
+        flat.extend(t)
+        if len(t) < width:
+            flat.extend([0] * (width - len(t)))
+    return np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(groups, num_reqs, width)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, num_blocks: int,
                  device: torch.device | str = "cpu", layout: Optional[KVCacheLayout] = None,
@@ -283,16 +297,19 @@ class ModelRunner:
             req_idx_np = np.repeat(np.arange(num_reqs, dtype=np.int64), q_arr)
             offsets = np.arange(num_tokens, dtype=np.int64) - np.repeat(np.cumsum(q_arr) - q_arr, q_arr)
             pos_np = np.repeat(np.asarray(starts, dtype=np.int64), q_arr) + offsets
-        max_blocks = max(len(st.block_ids) for st in states)
-        bt_np = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        for i, st in enumerate(states):
-            bt_np[i, : len(st.block_ids)] = st.block_ids
-        slot_np = bt_np[req_idx_np, pos_np // bs] * bs + pos_np % bs
+        # Every KV cache group's block tables [groups, num_reqs, width] and slots [groups, num_tokens] at once.
+        bt_np = block_tables_array(
+            [st.block_ids for st in states] if self.num_groups == 1 else
+            [st.block_ids for st in states] + [st.group_block_ids[g] for g in range(self.num_groups - 1)
+                                               for st in states], self.num_groups, num_reqs)
+        # (C order: numpy lays a mixed slice / fancy index result out with the indexed axis first)
+        slot_np = np.ascontiguousarray(bt_np[:, req_idx_np, pos_np // bs] * bs + pos_np % bs)
 
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         positions = torch.from_numpy(pos_np).to(self.device)
-        slot_mapping = torch.from_numpy(slot_np).to(self.device)
-        block_tables = torch.from_numpy(bt_np).to(self.device)
+        slot_mappings = torch.from_numpy(slot_np).to(self.device)
+        all_tables = torch.from_numpy(bt_np).to(self.device)
+        slot_mapping, block_tables = slot_mappings[0], all_tables[0]
         # A row's kind follows its position, however the step cut the request: the prompt's tokens but its last are
         # prefill rows; the last prompt token (whose logits give the first output token) and generated tokens are
         # decode rows (attention and int4 kernels). So a speculating request's 1 + k verify rows, and output tokens
@@ -304,8 +321,7 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, seq_lens, block_tables, slot_mapping, bs, self.sliding_window,
                                         prefill_rows=prefill_rows)
         if self.num_groups > 1:  # each group's layers read and write through the group's own block tables
-            metas = [meta] + [self._group_metadata(g, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows,
-                                                   meta) for g in range(1, self.num_groups)]
+            metas = self._group_metadata(query_lens, seq_lens, all_tables, slot_mappings, prefill_rows, meta)
             meta = [metas[g] for g in self.layout.layer_group]
 
         with step_rows(query_lens, prefill_rows=prefill_rows):  # int4 linears' kernel per row kind
@@ -313,7 +329,7 @@ class ModelRunner:
 
         # Rows that sample: their last scheduled token is the last known token.
         sample_rows = [i for i, st in enumerate(states) if seq_lens[i] >= len(st.token_ids)]
-        qsl = np.cumsum([0] + query_lens)
+        qsl = list(itertools.accumulate(query_lens, initial=0))  # query start of each request (ints)
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs_out: dict[str, LogprobsLists] = {}
         unsampled: frozenset = frozenset()
@@ -322,10 +338,10 @@ class ModelRunner:
             drafts = None
             if sched.scheduled_spec_decode_tokens:
                 drafts = [sched.scheduled_spec_decode_tokens.get(req_ids[i], ()) for i in sample_rows]
-                row_idx, rows = verify_rows([int(qsl[i + 1]) for i in sample_rows],
+                row_idx, rows = verify_rows([qsl[i + 1] for i in sample_rows],
                                             [states[i].sampler_state for i in sample_rows], drafts)
             else:
-                row_idx = [int(qsl[i + 1]) - 1 for i in sample_rows]
+                row_idx = [qsl[i + 1] - 1 for i in sample_rows]
                 rows = [states[i].sampler_state for i in sample_rows]
             last_idx = torch.tensor(row_idx, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, last_idx))
@@ -402,28 +418,28 @@ class ModelRunner:
             spec_token_cost=spec_cost,
         )
 
-    def _group_metadata(self, group: int, states, query_lens, seq_lens, req_idx_np, pos_np, prefill_rows,
-                        base: AttentionMetadata):
-        """Attention metadata of KV cache group ``group`` >= 1 (its block tables and slots; same tokens as group 0's
-        ``base``). A step of plain decode rows only (the common one) shares ``base``'s token rows and lengths and
-        swaps in the group's tables: the metadata ``build_attention_metadata`` would build, without rebuilding it
-        (Gemma 3 has 6 groups: ~0.2 ms a decode step)."""
+    def _group_metadata(self, query_lens, seq_lens, tables: torch.Tensor, slots: torch.Tensor, prefill_rows,
+                        base: AttentionMetadata) -> list[AttentionMetadata]:
+        """The attention metadata of every KV cache group (``base``: group 0's), from their block tables
+        ``tables [groups, num_reqs, width]`` and slots ``slots [groups, num_tokens]``. A step of plain decode rows
+        only (the common one) shares ``base``'s token rows and lengths with each group's tables swapped in: the
+        metadata ``build_attention_metadata`` would build, without rebuilding it (Gemma 3 has 6 groups)."""
         bs = self.block_size
-        tables = [st.group_block_ids[group - 1] for st in states]
-        bt_np = np.zeros((len(states), max(len(t) for t in tables)), dtype=np.int64)
-        for i, t in enumerate(tables):
-            bt_np[i, : len(t)] = t
-        slot_np = bt_np[req_idx_np, pos_np // bs] * bs + pos_np % bs
-        window = self.layout.group_windows[group] or self.sliding_window
-        bt = torch.from_numpy(bt_np).to(self.device)
-        slots = torch.from_numpy(slot_np).to(self.device)
+        windows = [self.layout.group_windows[g] or self.sliding_window for g in range(self.num_groups)]
         d = base.decode
-        if not base.prefills and d is not None and d.all_rows and d.block_tables.shape[0] == len(states):
-            return replace(base, slot_mapping=slots, block_tables=bt,
-                           decode=DecodeBatch(token_rows=d.token_rows, seq_lens=d.seq_lens, block_size=bs,
-                                              block_tables=bt[:, : d.block_tables.shape[1]].contiguous(),
-                                              sliding_window=window, all_rows=True))
-        return build_attention_metadata(query_lens, seq_lens, bt, slots, bs, window, prefill_rows=prefill_rows)
+        if base.prefills or d is None or not d.all_rows or d.block_tables.shape[0] != tables.shape[1]:
+            return [base] + [build_attention_metadata(query_lens, seq_lens, tables[g], slots[g], bs, windows[g],
+                                                      prefill_rows=prefill_rows) for g in range(1, self.num_groups)]
+        width = d.block_tables.shape[1]
+        dec_tables = tables if width == tables.shape[2] else tables[:, :, :width].contiguous()
+        return [base] + [
+            AttentionMetadata(num_tokens=base.num_tokens, num_reqs=base.num_reqs, slot_mapping=slots[g],
+                              query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=tables[g],
+                              block_size=bs,
+                              decode=DecodeBatch(token_rows=d.token_rows, block_tables=dec_tables[g],
+                                                 seq_lens=d.seq_lens, block_size=bs, sliding_window=windows[g],
+                                                 all_rows=True))
+            for g in range(1, self.num_groups)]
 
     def _prompt_logprobs(self, states, starts, query_lens, qsl, hidden) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens 1..P-1 (position p predicts token p+1), for requests that asked for them."""
@@ -437,7 +453,7 @@ class ModelRunner:
             hi = min(starts[i] + query_lens[i], p_len - 1)
             if hi <= lo:
                 continue
-            rows = torch.arange(int(qsl[i]) + lo - starts[i], int(qsl[i]) + hi - starts[i], device=self.device)
+            rows = torch.arange(qsl[i] + lo - starts[i], qsl[i] + hi - starts[i], device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             targets = torch.tensor(st.prompt_token_ids[lo + 1:hi + 1], dtype=torch.int64, device=self.device)
             lp: LogprobsTensors = compute_prompt_logprobs(logits, targets, k)
