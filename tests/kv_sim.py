@@ -245,7 +245,7 @@ def check_invariants(sched: Scheduler, runner: Optional[KVSimRunner] = None) -> 
 def pool_whole(sched: Scheduler) -> bool:
     pool = sched.kv.block_pool
     return (pool.get_num_free_blocks() == pool.num_blocks - 1 and not sched.kv.req_to_blocks
-            and all(b.ref_cnt == 0 for b in pool.blocks[1:]))
+            and all(b.ref_cnt == 0 for b in pool.blocks[1:]) and not sched.kv._quiet)
 
 
 def run_to_end(sched: Scheduler, runner, max_steps: int = 5000, on_step=None,

@@ -295,6 +295,7 @@ def test_quiet_fast_path_changes_nothing(windows, num_blocks, caching):
 
         out = run(sched, runner, on_step=on_step)
         assert pool_whole(sched)
+        assert not kv._quiet  # every finished or preempted request's record went with its blocks
         return out, steps, sched.num_preemptions, calls[0] - calls[1]  # the early returns
 
     fast, slow = trace(True), trace(False)
