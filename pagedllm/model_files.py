@@ -14,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 from pagedllm import envs
+from pagedllm.utils.atomic import atomic_path
 
 __all__ = [
     "cache_dir",
@@ -131,12 +131,10 @@ def _assemble(model: _SplitModel) -> str:
             )
         chunk_paths.append(folder / rel)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Hash while copying: one pass over the bytes. The temp file lives in the target folder so the rename is atomic.
     h = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{model.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
+    with atomic_path(str(target)) as tmp_name:
+        with open(tmp_name, "wb") as out:
             for chunk in chunk_paths:
                 with chunk.open("rb") as f:
                     while block := f.read(1 << 22):
@@ -145,14 +143,6 @@ def _assemble(model: _SplitModel) -> str:
         digest = h.hexdigest()
         if digest != model.sha256:
             raise ValueError(f"Assembled {model.name} has sha256 {digest}, expected {model.sha256}")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp makes it 0600; a cache file may be shared
-        os.replace(tmp_name, target)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
     _resolved[model.name] = str(target)
     return str(target)
 

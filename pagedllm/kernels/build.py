@@ -13,13 +13,13 @@ import hashlib
 import os
 import re
 import subprocess
-import tempfile
 from functools import lru_cache
 from typing import Optional
 
 from pagedllm import envs
 from pagedllm.kernels.bindings import Library
 from pagedllm.kernels.config import cpu_flags
+from pagedllm.utils.atomic import atomic_path
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 
@@ -107,11 +107,8 @@ def build(lib: Library, level: str, march: Optional[list[str]] = None, defines: 
     os.makedirs(out_dir, exist_ok=True)
     so = os.path.join(out_dir, f"{lib.name}-{level}-{cache_key(lib, level, march, defines)}.so")
     if not os.path.exists(so):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        res = subprocess.run([*command(lib, level, march, defines), "-o", tmp], capture_output=True, text=True)
-        if res.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(res.stderr[-2000:])
-        os.replace(tmp, so)  # atomic: concurrent builders never load a half-written file
+        with atomic_path(so, suffix=".so", shared=False) as tmp:  # concurrent builders never load a half-written file
+            res = subprocess.run([*command(lib, level, march, defines), "-o", tmp], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(res.stderr[-2000:])
     return so

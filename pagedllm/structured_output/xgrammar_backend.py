@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from typing import Any, Optional, Sequence
 
 from pagedllm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from pagedllm.utils.atomic import atomic_path
 
 
 def _xgr():
@@ -118,20 +118,11 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Optional[list[int
             pass
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     if path is not None:
-        tmp = None
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 f.write(info.serialize_json())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
-            tmp = None
         except OSError:
             pass  # a read-only or full cache: build it every time
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
     return info
 
 
