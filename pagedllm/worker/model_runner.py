@@ -200,6 +200,8 @@ class ModelRunner:
                                          self.device)
         self.kv_caches = [slot_caches[s] for s in self.layout.layer_slot]
         self.num_groups = self.layout.num_groups
+        # each group's attention window (a full-attention group: the model's, if it has one)
+        self.attn_windows = [w or self.sliding_window for w in self.layout.group_windows]
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.drafter = make_drafter(spec_cfg, self, draft_model) if spec_cfg is not None else None
@@ -298,10 +300,10 @@ class ModelRunner:
             offsets = np.arange(num_tokens, dtype=np.int64) - np.repeat(np.cumsum(q_arr) - q_arr, q_arr)
             pos_np = np.repeat(np.asarray(starts, dtype=np.int64), q_arr) + offsets
         # Every KV cache group's block tables [groups, num_reqs, width] and slots [groups, num_tokens] at once.
-        bt_np = block_tables_array(
-            [st.block_ids for st in states] if self.num_groups == 1 else
-            [st.block_ids for st in states] + [st.group_block_ids[g] for g in range(self.num_groups - 1)
-                                               for st in states], self.num_groups, num_reqs)
+        tables = [st.block_ids for st in states]
+        if self.num_groups > 1:
+            tables += [st.group_block_ids[g] for g in range(self.num_groups - 1) for st in states]
+        bt_np = block_tables_array(tables, self.num_groups, num_reqs)
         # (C order: numpy lays a mixed slice / fancy index result out with the indexed axis first)
         slot_np = np.ascontiguousarray(bt_np[:, req_idx_np, pos_np // bs] * bs + pos_np % bs)
 
@@ -425,11 +427,11 @@ class ModelRunner:
         only (the common one) shares ``base``'s token rows and lengths with each group's tables swapped in: the
         metadata ``build_attention_metadata`` would build, without rebuilding it (Gemma 3 has 6 groups)."""
         bs = self.block_size
-        windows = [self.layout.group_windows[g] or self.sliding_window for g in range(self.num_groups)]
         d = base.decode
         if base.prefills or d is None or not d.all_rows or d.block_tables.shape[0] != tables.shape[1]:
-            return [base] + [build_attention_metadata(query_lens, seq_lens, tables[g], slots[g], bs, windows[g],
-                                                      prefill_rows=prefill_rows) for g in range(1, self.num_groups)]
+            return [base] + [build_attention_metadata(query_lens, seq_lens, tables[g], slots[g], bs,
+                                                      self.attn_windows[g], prefill_rows=prefill_rows)
+                             for g in range(1, self.num_groups)]
         width = d.block_tables.shape[1]
         dec_tables = tables if width == tables.shape[2] else tables[:, :, :width].contiguous()
         return [base] + [
@@ -437,8 +439,8 @@ class ModelRunner:
                               query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=tables[g],
                               block_size=bs,
                               decode=DecodeBatch(token_rows=d.token_rows, block_tables=dec_tables[g],
-                                                 seq_lens=d.seq_lens, block_size=bs, sliding_window=windows[g],
-                                                 all_rows=True))
+                                                 seq_lens=d.seq_lens, block_size=bs,
+                                                 sliding_window=self.attn_windows[g], all_rows=True))
             for g in range(1, self.num_groups)]
 
     def _prompt_logprobs(self, states, starts, query_lens, qsl, hidden) -> dict[str, LogprobsLists]:
