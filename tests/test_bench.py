@@ -516,9 +516,11 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
     lv = _level
     kinds = ["new_schema", "new_schema", "seen_schema", "new_schema"]
     st = dict(lv(300.0, 100.0, 10.0, 10.0), valid_output_rate=1.0, request_kinds=kinds,
-              request_ttfts_ms=[130.0, 500.0, 90.0, 120.0])
+              request_ttfts_ms=[130.0, 500.0, 90.0, 120.0], structured_requests=4, valid_outputs=4,
+              structured_cut_by_length=0)
     vst = dict(lv(200.0, 100.0, 10.0, 10.0), valid_output_rate=0.75, request_kinds=kinds,
-               request_ttfts_ms=[400.0, 700.0, 100.0, None])
+               request_ttfts_ms=[400.0, 700.0, 100.0, None], structured_requests=4, valid_outputs=2,
+               structured_cut_by_length=1)
     un = dict(lv(320.0, 90.0, 10.0, 9.0), request_ttfts_ms=[100.0, 480.0, 80.0, 100.0])
     vun = dict(lv(250.0, 90.0, 10.0, 10.0), request_ttfts_ms=[100.0, 500.0, 100.0, 100.0])
     runs = [C.Run("structured", "pagedllm", "x", True, {"levels": [st]}),
@@ -529,6 +531,9 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
     assert C.ratio(rows["structured json-schema: output tok/s"], "vllm") == pytest.approx(1.5)
     assert rows["structured json-schema: valid outputs %"].ours == pytest.approx(100.0)
     assert rows["structured json-schema: valid outputs %"].peers["vllm"] == pytest.approx(75.0)
+    finished = rows["structured json-schema: valid % of the outputs not cut by max_tokens"]
+    assert finished.ours == pytest.approx(100.0)
+    assert finished.peers["vllm"] == pytest.approx(200.0 / 3)  # 2 valid of the 3 that finished
     assert rows["structured: decode speed constrained / unconstrained % (1/TPOT)"].ours == pytest.approx(90.0)
     row = rows["structured: a new schema's TTFT over the same request unconstrained, ms (median)"]
     assert row.ours == pytest.approx(20.0)  # median of 30, 20, 20 (the seen-schema request is left out)

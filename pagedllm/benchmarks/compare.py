@@ -645,6 +645,14 @@ def build_rows(runs: list[Run]) -> list[Row]:
                     _pct(srv("structured", "pagedllm", "valid_output_rate")),
                     {"vllm": _pct(srv("structured", "vllm", "valid_output_rate"))}, "100% (ours)"))
 
+    def finished_valid(eng):  # the grammar's own figure: an output cut by max_tokens is unfinished JSON in any engine
+        n, valid, cut = (srv("structured", eng, k) for k in ("structured_requests", "valid_outputs",
+                                                               "structured_cut_by_length"))
+        return 100.0 * valid / (n - cut) if None not in (n, valid, cut) and n > cut else None
+
+    rows.append(Row("structured json-schema: valid % of the outputs not cut by max_tokens", True,
+                    finished_valid("pagedllm"), {"vllm": finished_valid("vllm")}, "100% (ours)"))
+
     def cost(eng):  # per output token (TPOT): constrained answers are shorter, so their tok/s carry more prefill
         c, u = srv("structured", eng, "mean_tpot_ms"), srv("unconstrained", eng, "mean_tpot_ms")
         return 100.0 * u / c if c and u else None
