@@ -143,6 +143,7 @@ class KernelConfig:
     fused_stack: bool = True
     hugepages: bool = False
     weight_hugepages: bool = True  # GGUF K-quant weights in huge pages (pagedllm.utils.hugepages)
+    kquant_tile_cache: bool = True  # GGUF K-quant tiles cached on disk, mapped at later loads (quantization.tile_cache)
     malloc_keep: bool = True  # glibc keeps a step's freed memory for the next (pagedllm.utils.malloc)
     batch_invariant: bool = True
     kquant_act_bits: int = 16  # 8 or 16: activations of the GGUF integer matmuls' decode rows (and unmarked calls)
@@ -213,7 +214,8 @@ class KernelConfig:
 
     def describe(self) -> str:
         off = [n for n in ("cpu_kernels", "amx_attention", "amx_linear", "pack_weights", "fused_stack",
-                           "weight_hugepages", "malloc_keep", "batch_invariant") if not getattr(self, n)]
+                           "weight_hugepages", "kquant_tile_cache", "malloc_keep", "batch_invariant")
+               if not getattr(self, n)]
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
                 + (", hugepages" if self.hugepages else "") + f", kquant activations {self.kquant_act_bits}-bit"
                 + f" (prefill {self.kquant_prefill_act_bits}-bit), int4 prefill {self.int4_prefill_kernel}"
@@ -231,6 +233,7 @@ class KernelConfig:
                    amx_attention=envs.flag("PAGEDLLM_AMX_ATTENTION"), amx_linear=envs.flag("PAGEDLLM_AMX_LINEAR"),
                    pack_weights=envs.flag("PAGEDLLM_PACK_WEIGHTS"), fused_stack=envs.flag("PAGEDLLM_FUSED_STACK"),
                    hugepages=envs.flag("PAGEDLLM_HUGEPAGES"), weight_hugepages=envs.flag("PAGEDLLM_WEIGHT_HUGEPAGES"),
+                   kquant_tile_cache=envs.flag("PAGEDLLM_KQUANT_TILE_CACHE"),
                    malloc_keep=envs.flag("PAGEDLLM_MALLOC_KEEP"), batch_invariant=envs.flag("PAGEDLLM_BATCH_INVARIANT"),
                    kquant_act_bits=_int_env("PAGEDLLM_KQUANT_ACT_BITS"),
                    kquant_prefill_act_bits=_int_env("PAGEDLLM_KQUANT_PREFILL_ACT_BITS"),

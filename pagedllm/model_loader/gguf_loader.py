@@ -12,6 +12,7 @@ A string is (length: u64, utf-8 bytes); an array is (element type: u32, count: u
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import re
@@ -26,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from pagedllm.layers.quantization.gguf import UNQUANTIZED_TYPES, GGUFWeight
+from pagedllm.layers.quantization.tile_cache import gguf_span
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -311,6 +313,7 @@ def iterate_gguf_weights(
     n_kv_heads = header.arch_key("attention.head_count_kv", n_heads)
     # copy-on-write mapping: writable views for torch.from_numpy (no warning), nothing is ever written back
     raw = np.memmap(header.path, dtype=np.uint8, mode="c")
+    file_span = gguf_span(header.path) if keep_quantized else None
     try:
         for info in header.tensors.values():
             hf_name = gguf_to_hf_name(info.name, arch)
@@ -320,7 +323,8 @@ def iterate_gguf_weights(
                 continue
             if keep_quantized and len(info.shape) == 2 and info.ggml_type not in UNQUANTIZED_TYPES:
                 data = torch.from_numpy(raw[info.offset : info.offset + info.nbytes]).view(info.shape[0], -1)
-                tensor = GGUFWeight(info.ggml_type, info.shape, data, file_backed=True)
+                span = dataclasses.replace(file_span, offset=info.offset, ptr=data.data_ptr())
+                tensor = GGUFWeight(info.ggml_type, info.shape, data, file_backed=True, span=span)
             elif norm_plus_one and info.name.endswith("norm.weight"):
                 tensor = (_to_torch(raw[info.offset : info.offset + info.nbytes], info, torch.float32) - 1).to(dtype)
             else:

@@ -172,11 +172,15 @@ def load_quantized(modules: dict[str, nn.Module], name: str, shard_id: Optional[
 
 def finish_quantized_loading(modules: dict[str, nn.Module]) -> None:
     """Each quantized module's ``process_weights_after_loading`` once; the K-quant tiles they make share one
-    ``weight_arena`` (huge pages, see ``pagedllm.utils.hugepages``)."""
+    ``weight_arena`` (huge pages, see ``pagedllm.utils.hugepages``), or come from the load's cache file
+    (``tile_cache``)."""
+    from pagedllm import kernels
+    from pagedllm.layers.quantization import tile_cache
     from pagedllm.utils.hugepages import weight_arena
 
+    cfg = kernels.config()
     seen: set[int] = set()
-    with weight_arena():
+    with weight_arena(), tile_cache.session(cfg.kquant_tile_cache, cfg.weight_hugepages):
         for mod in modules.values():
             if id(mod) not in seen:
                 seen.add(id(mod))

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pagedllm.layers.quantization.kernels import Int4Groups, Int8Rows, quantize_int4_minmax
 from pagedllm.layers.quantization.kquant import KQuantWeight, kquant_supports
+from pagedllm.layers.quantization.tile_cache import FileSpan
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +38,14 @@ class GGUFWeight:
     """One quantized GGUF matrix: ``data [rows, row_bytes]`` uint8 holds ``rows`` rows of ``shape[1]`` values as
     ggml blocks. Rows are independent, so row permutations (llama.cpp's Q/K order) apply to ``data`` directly.
     ``file_backed``: ``data`` is a view of the loader's copy-on-write file mapping, never written (so its pages may be
-    dropped from resident memory once the weight is converted: ``KQuantWeight.tiled``)."""
+    dropped from resident memory once the weight is converted: ``KQuantWeight.tiled``); ``span``: where in the file
+    (``tile_cache.FileSpan``: the converted tiles may be cached on disk)."""
 
     ggml_type: T
     shape: tuple[int, int]
     data: torch.Tensor
     file_backed: bool = False
+    span: Optional[FileSpan] = None
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``shape`` (the loader's dequantization)."""
@@ -67,7 +71,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:  # [n_blocks, 16] -> [n_blocks, 
 def gguf_to_canonical(w: GGUFWeight) -> KQuantWeight | Int4Groups | Int8Rows:
     rows, cols = w.shape
     if kquant_supports(w.ggml_type, cols):
-        return KQuantWeight(w.ggml_type, cols, w.data, file_backed=w.file_backed)
+        return KQuantWeight(w.ggml_type, cols, w.data, file_backed=w.file_backed, span=w.span)
     _, type_size = GGML_QUANT_SIZES[w.ggml_type]
     if w.ggml_type in (T.Q4_0, T.Q4_1):
         blocks = w.data.reshape(-1, type_size)

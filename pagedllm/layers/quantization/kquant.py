@@ -8,7 +8,8 @@ rows interleaved per tile so that one 32-bit SIMD lane holds 4 consecutive codes
 (no requantization; ``dequantize`` gives gguf's values back); Q8_0 / Q5_0 / Q6_K tiles are the file's size, Q4_K /
 Q5_K's 6-bit scales are unpacked to bytes (+2.8 % / +2.3 %). The file's view is dropped once tiled, so resident
 weight memory is the tiled bytes (the mapped pages are dropped: ``file_backed``; the tiles are carved from
-huge-page-advised memory while a model loads: ``pagedllm.utils.hugepages.weight_arena``). A decode GEMV streams each
+huge-page-advised memory while a model loads: ``pagedllm.utils.hugepages.weight_arena``, or mapped from the tiles a
+first load wrote to disk: ``tile_cache``). A decode GEMV streams each
 tile once, sequentially (prefetching 2 KB ahead), 16 rows per instruction, with the block scales applied per group to
 one float32 accumulator per row (the epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
 along K before: 2.5-3x the memory floor at decode; now 1.15-1.6x, see the issue-20 report.)
@@ -47,6 +48,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pagedllm import kernels
 from pagedllm.kernels.bindings import StackKqShard
+from pagedllm.layers.quantization import tile_cache
+from pagedllm.layers.quantization.tile_cache import FileSpan
 from pagedllm.utils.hugepages import weight_empty
 
 KQUANT_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K})
@@ -63,7 +66,8 @@ class KQuantWeight:
     """``rows`` x ``n_in`` weights of ``ggml_type``: ``data`` is ``[rows, row_bytes]`` uint8 ggml blocks as stored in
     the file, or (``is_tiled``) the 1-D tiled form of ``kq_pack`` (``kquant_cpu.c``). ``file_backed``: ``data`` is a
     view of a read-only (or never written copy-on-write) file mapping, whose pages ``tiled()`` drops from resident
-    memory once copied (they would otherwise stay resident while the mapping lives: two copies)."""
+    memory once copied (they would otherwise stay resident while the mapping lives: two copies). ``span``: where
+    in a GGUF file ``data`` lies (``tile_cache.FileSpan``), so ``tiled()`` can map cached tiles instead of packing."""
 
     ggml_type: T
     n_in: int
@@ -71,6 +75,7 @@ class KQuantWeight:
     n_rows: int = -1
     is_tiled: bool = False
     file_backed: bool = False
+    span: Optional[FileSpan] = None
 
     def __post_init__(self) -> None:
         if self.n_rows < 0:
@@ -94,11 +99,18 @@ class KQuantWeight:
         nbytes = lib.kq_packed_bytes(int(self.ggml_type), self.rows, self.n_in)
         if nbytes < 0:
             raise ValueError(f"kquant: unsupported type {self.ggml_type.name} or n_in {self.n_in}")
+        # the file's own bytes (not permuted or sliced) may have their tiles in the load's cache file
+        span = self.span if self.span is not None and self.data.is_contiguous() and (
+            self.data.data_ptr() == self.span.ptr) else None
+        cached = tile_cache.lookup(span, self.ggml_type, self.rows, self.n_in, nbytes)
+        if cached is not None:
+            return KQuantWeight(self.ggml_type, self.n_in, cached, self.rows, True)
         src = self.data.contiguous()
         out = weight_empty(nbytes)  # huge pages while a model loads (pagedllm.utils.hugepages.weight_arena)
         lib.kq_pack(int(self.ggml_type), src.data_ptr(), self.rows, self.n_in, src.shape[1], out.data_ptr())
         if self.file_backed and src.data_ptr() == self.data.data_ptr():
             lib.kq_release_file_pages(src.data_ptr(), src.numel())
+        tile_cache.store(span, self.ggml_type, self.rows, self.n_in, out)
         return KQuantWeight(self.ggml_type, self.n_in, out, self.rows, True)
 
     def dequantize(self) -> torch.Tensor:
