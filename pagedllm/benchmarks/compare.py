@@ -943,10 +943,12 @@ def detail_tables(runs: list[Run]) -> str:
         out += ["", "#### Servers: start-up and resident memory", "",
                 f"Start-up: from the command to `/health` and `/v1/models` answering, polled every "
                 f"{P.START_POLL_S:g} s (model load, kernel builds from their cache, KV cache allocation, warm-up), "
-                "each server with its weights file(s) read through once just before (in the page cache). "
-                "RSS: the resident memory of the server's processes (their `VmRSS` summed) at that moment: weights "
-                "as held, the KV cache each engine allocated at start (ours zero-filled, so resident), runtime "
-                "libraries; a model file llama.cpp maps counts as it is read.", "",
+                "each server with its weights file(s) read through once just before (in the page cache). Ours "
+                "with a GGUF's K-quant layers maps the tiles an earlier load of that file wrote "
+                "(`layers/quantization/tile_cache.py`; the first load of a GGUF packs and writes them: seconds "
+                "more). RSS: the resident memory of the server's processes (their `VmRSS` summed) at that moment: "
+                "weights as held (mapped tiles and model files count as they are read), the KV cache as far as "
+                "each engine has touched it (ours faults its blocks in at first write), runtime libraries.", "",
                 "| server | start-up s | RSS after start-up MB | weights file(s) MB |", "|---|---|---|---|"]
         for r in servers:
             res = r.result
