@@ -683,6 +683,52 @@ def test_base_model_chat_workload_and_quantized_chat_backend(tmp_path, monkeypat
         assert len(chat) == 2 and all(cmd[cmd.index("--backend") + 1] == backend for cmd in chat), gguf
 
 
+def test_quantized_paired_rounds_alternate_and_give_the_paired_row(tmp_path, monkeypatch):
+    """The quantized section first runs single-stream rounds alternating between ours and llama.cpp (both servers
+    up), one request each, the order flipping every round; each engine's result is the median of its rounds' TPOTs,
+    the ratio row and the rounds' table come from them."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    C.add_compare_args(parser)
+    ns = parser.parse_args(["--peers", "llamacpp", "--sections", "quantized", "--quant-paired-rounds", "4"])
+    ns.peers, ns.gguf = ["llamacpp"], None
+    started, benches = _fake_servers_and_benches(monkeypatch, lambda gguf=None: None)
+    tpot = {"pagedllm-int4": [20.0, 22.0, 30.0, 21.0], "llamacpp": [26.0, 27.0, 39.0, 24.0]}
+    seen = {"pagedllm-int4": 0, "llamacpp": 0}
+
+    def fake_run_json(section, eng, cmd, *a, **k):
+        benches.append((section, eng, cmd))
+        if section != "quant-paired":
+            return C.Run(section, eng, "y", ok=True)
+        i, seen[eng] = seen[eng], seen[eng] + 1
+        run = C.Run(section, eng, "y", ok=True, result={"levels": [{"median_tpot_ms": tpot[eng][i]}]})
+        run.host_read = [50.0 + i, 51.0 + i]
+        return run
+
+    monkeypatch.setattr(C, "_run_json", fake_run_json)
+    runs: list = []
+    C.run_quantized(ns, str(tmp_path), runs, {})
+    assert len(started) == 2  # both servers, started once
+    paired = [(eng, cmd) for s, eng, cmd in benches if s == "quant-paired"]
+    assert [e for e, _ in paired] == ["pagedllm-int4", "llamacpp", "llamacpp", "pagedllm-int4",
+                                      "pagedllm-int4", "llamacpp", "llamacpp", "pagedllm-int4"]
+    assert all(cmd[cmd.index("--num-prompts") + 1] == "1" for _, cmd in paired)
+    seeds = [cmd[cmd.index("--seed") + 1] for _, cmd in paired]
+    assert seeds[0] == seeds[1] != seeds[2] == seeds[3]  # a round's two requests are the same prompt
+    assert paired and benches.index(("quant-paired",) + paired[-1]) < next(
+        i for i, b in enumerate(benches) if b[0] == "quant-single")  # the rounds come first
+    got = {r.engine: r for r in runs if r.section == "quant-paired"}
+    assert [C._level(got[e].result)["median_tpot_ms"] for e in ("pagedllm-int4", "llamacpp")] == [21.5, 26.5]
+    rows = {r.metric: r for r in C.build_rows(runs)}
+    row = rows["quantized (GGUF as stored): single stream median TPOT ms, requests alternating between the two "
+               "servers (median of rounds)"]
+    assert C.ratio(row, "llamacpp") == pytest.approx(26.5 / 21.5)
+    table = C.detail_tables(runs)
+    assert "| 2 | 30.0 | 39.0 | 1.30x | 52 -> 53 GB/s | 52 -> 53 GB/s |" in table
+    assert (tmp_path / "quant-paired-llamacpp.json").exists()
+
+
 def test_compare_quantized_rows():
     """The quantized section's rows: ours on the GGUF as stored against llama.cpp, TPOT / TTFT lower-better."""
     def lv(**kw):

@@ -459,18 +459,23 @@ def _has_chat_template(gguf: Optional[str]) -> bool:
 
 def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
     """The ``quantized`` section (issue 20): ours with the GGUF's quantized layers kept as stored, next to
-    llama.cpp's server on the same file. Single stream ``random`` 128 in / ``--single-output-len`` out (TPOT, TTFT
-    at 128 tokens), single stream 1,024 tokens in / 8 out (TTFT at 1,024), and ``chat`` at 8 clients (a base model
-    without a chat template: the conversations as plain transcripts, sent as completions)."""
+    llama.cpp's server on the same file, both up: first single-stream rounds alternating between them
+    (``_quant_paired``), then on each in turn single stream ``random`` 128 in / ``--single-output-len`` out (TPOT,
+    TTFT at 128 tokens), single stream 1,024 tokens in / 8 out (TTFT at 1,024), and ``chat`` at 8 clients (a base
+    model without a chat template: the conversations as plain transcripts, sent as completions)."""
     chat_backend = "openai-chat" if _has_chat_template(_gguf(ns)) else "openai"
-    for eng in QUANT_ENGINES:
-        if eng == "llamacpp" and eng not in ns.peers:
-            continue
-        sections = ("quant-single", "quant-ttft1024", "quant-chat8")
-        srv = _start(ns, eng, out_dir, server_cmds, sections, runs)
-        if srv is None:
-            continue
-        try:
+    servers = {}
+    try:
+        for eng in QUANT_ENGINES:
+            if eng == "llamacpp" and eng not in ns.peers:
+                continue
+            sections = ("quant-paired", "quant-single", "quant-ttft1024", "quant-chat8")
+            srv = _start(ns, eng, out_dir, server_cmds, sections, runs)
+            if srv is not None:
+                servers[eng] = srv
+        if len(servers) == 2:
+            _quant_paired(ns, servers, out_dir, runs)
+        for eng, srv in servers.items():
             common = ("--base-url", srv.base_url, "--seed", "1", "--label", PEER_NAMES[eng], *_tokenizer_args(ns))
             plans = (("quant-single", ("--backend", "openai", "--dataset-name", "random", "--input-len", "128",
                                        "--output-len", str(ns.single_output_len), "--num-prompts",
@@ -483,7 +488,8 @@ def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
                 out = os.path.join(out_dir, f"{section}-{eng}.json")
                 cmd = _cli("serve", *args, *common, "--result-file", out, "--no-plot")
                 runs.append(_run_json(section, eng, cmd, out, ns.timeout, os.path.join(out_dir, f"{section}-{eng}.log")))
-        finally:
+    finally:
+        for srv in servers.values():
             srv.stop()
     # The memory floor of a decode step on the file as stored: its bytes per token over the measured read bandwidth.
     out = os.path.join(out_dir, "quant-floor-matmul.json")
@@ -491,6 +497,38 @@ def run_quantized(ns, out_dir: str, runs: list[Run], server_cmds: dict) -> None:
     cmd = _cli("floor", "--batch-size", "1", "--output-json", out,
                *(["--model", _gguf(ns), "--engine-step"] if _gguf(ns) else []))
     runs.append(_run_json("quant-floor", "matmul", cmd, out, ns.timeout, os.path.join(out_dir, "quant-floor.log")))
+
+
+def _quant_paired(ns, servers: dict, out_dir: str, runs: list[Run]) -> None:
+    """Single-stream decode of ours and llama.cpp's servers (both up, one idle while the other runs), in
+    ``--quant-paired-rounds`` rounds of ``random`` 128 in / ``--single-output-len`` out, one request per server and
+    round, the order alternating: on a shared host whose read bandwidth moves within minutes, the per-engine
+    sections measured minutes apart can differ by the host alone, and paired rounds cancel that. One ``Run`` per
+    engine: ``median_tpot_ms`` over the rounds (as its one level's) and each round's TPOT and host read probes
+    (its JSON: ``quant-paired-<engine>.json``; each round's ``bench serve`` result under ``paired/``)."""
+    rounds: dict = {eng: [] for eng in servers}
+    cmds = {}
+    engines = list(servers)
+    for r in range(ns.quant_paired_rounds):
+        for eng in (engines if r % 2 == 0 else engines[::-1]):
+            out = os.path.join(out_dir, "paired", f"{eng}-{r}.json")
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            cmd = _cli("serve", "--base-url", servers[eng].base_url, "--backend", "openai", "--dataset-name",
+                       "random", "--input-len", "128", "--output-len", str(ns.single_output_len), "--num-prompts",
+                       "1", "--max-concurrency", "1", "--seed", str(100 + r), "--label", PEER_NAMES[eng],
+                       *_tokenizer_args(ns), "--result-file", out, "--no-plot")
+            cmds[eng] = _pretty(cmd, None)
+            run = _run_json("quant-paired", eng, cmd, out, ns.timeout, out[: -len(".json")] + ".log")
+            lv = _level(run.result) if run.ok else None
+            rounds[eng].append({"round": r, "tpot_ms": lv.get("median_tpot_ms") if lv else None,
+                                "host_read": run.host_read, "error": run.error})
+    for eng, rs in rounds.items():
+        tpots = [x["tpot_ms"] for x in rs if x["tpot_ms"]]
+        res = {"levels": [{"median_tpot_ms": statistics.median(tpots)}] if tpots else [], "rounds": rs}
+        with open(os.path.join(out_dir, f"quant-paired-{eng}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        runs.append(Run("quant-paired", eng, cmds.get(eng, ""), ok=bool(tpots), result=res,
+                        error="" if tpots else "no round finished"))
 
 
 VCLIENT_ENGINES = ("pagedllm", "vllm")
@@ -663,6 +701,8 @@ def build_rows(runs: list[Run]) -> list[Row]:
     q = "quantized (GGUF as stored)"
     for metric, section, key, higher, target in (
             ("single stream median TPOT ms", "quant-single", "median_tpot_ms", False, ">= 1.25x llama.cpp"),
+            ("single stream median TPOT ms, requests alternating between the two servers (median of rounds)",
+             "quant-paired", "median_tpot_ms", False, ">= 1.25x llama.cpp"),
             ("TTFT ms, 128 tokens (median)", "quant-single", "median_ttft_ms", False, ">= 1.0x llama.cpp"),
             ("TTFT ms, 1,024 tokens (median)", "quant-ttft1024", "median_ttft_ms", False, ">= 1.0x llama.cpp"),
             ("chat, 8 clients, output tok/s", "quant-chat8", "output_throughput", True, ">= 1.5x llama.cpp")):
@@ -938,6 +978,20 @@ def detail_tables(runs: list[Run]) -> str:
                 cells.append(f"{lv[f'mean_{m}_ms']:.0f} / {lv[f'median_{m}_ms']:.0f} / {lv[f'p99_{m}_ms']:.0f}")
             cells.append(_fmt_read(_find(runs, section, eng).host_read))
             out.append(f"| {PEER_NAMES[eng]} | " + " | ".join(cells) + " |")
+    paired = {eng: _get(runs, "quant-paired", eng) for eng in QUANT_ENGINES}
+    if all(paired.values()):
+        ours, theirs = paired["pagedllm-int4"]["rounds"], paired["llamacpp"]["rounds"]
+        out += ["", "#### Quantized as stored: single stream, requests alternating between the two servers", "",
+                "`random` 128 in / the single stream's output length, one request per server and round, the order "
+                "alternating each round (both servers up, the other idle): the host's read bandwidth moves within "
+                "minutes, and a round's two requests see nearly the same. TPOT in ms.", "",
+                "| round | pagedllm int4 TPOT | llama.cpp TPOT | llama.cpp / ours | host read, ours | host read, "
+                "llama.cpp |", "|---|---|---|---|---|---|"]
+        for a, b in zip(ours, theirs):
+            ratio = b["tpot_ms"] / a["tpot_ms"] if a["tpot_ms"] and b["tpot_ms"] else None
+            out.append(f"| {a['round']} | {_fmt(a['tpot_ms'])} | {_fmt(b['tpot_ms'])} | "
+                       f"{f'{ratio:.2f}x' if ratio else '—'} | {_fmt_read(a['host_read'])} | "
+                       f"{_fmt_read(b['host_read'])} |")
     servers = [r for r in runs if r.section == "server" and r.ok and r.result]
     if servers:
         out += ["", "#### Servers: start-up and resident memory", "",
@@ -1113,6 +1167,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-output-len", type=int, default=128)
     p.add_argument("--single-num-prompts", type=int, default=4)
     p.add_argument("--single-output-len", type=int, default=128)
+    p.add_argument("--quant-paired-rounds", type=int, default=6,
+                   help="The quantized section's alternating single-stream rounds (one request per server each).")
     p.add_argument("--spec-methods", default="ngram,draft_model,self_int4",
                    help="The speculative section's methods (draft_model needs a model with a smaller sibling: "
                         "--model qwen2.5-1.5b).")
@@ -1132,7 +1188,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 _FILE_SECTIONS = sorted(("offline", "serve", "single", "structured", "unconstrained", "structured-single",
-                         "unconstrained-single", "quant-single", "quant-ttft1024", "quant-chat8", "quant-floor",
+                         "unconstrained-single", "quant-single", "quant-paired", "quant-ttft1024", "quant-chat8", "quant-floor",
                          "latency", "vclient"),
                         key=len, reverse=True)
 
@@ -1165,7 +1221,7 @@ def _runs_from_files(out_dir: str) -> list[Run]:
 
 _PARAMS = ("offline_num_prompts", "offline_num_iters", "hf_batch_size", "serve_num_prompts", "serve_output_len",
            "serve_concurrency", "single_num_prompts", "single_output_len", "latency_output_len", "latency_iters",
-           "structured_num_prompts", "model", "spec_methods", "spec_num_prompts", "spec_output_len")
+           "quant_paired_rounds", "structured_num_prompts", "model", "spec_methods", "spec_num_prompts", "spec_output_len")
 
 
 def render_only(ns: argparse.Namespace) -> int:
