@@ -507,7 +507,7 @@ def _quant_paired(ns, servers: dict, out_dir: str, runs: list[Run]) -> None:
     engine: ``median_tpot_ms`` over the rounds (as its one level's) and each round's TPOT and host read probes
     (its JSON: ``quant-paired-<engine>.json``; each round's ``bench serve`` result under ``paired/``)."""
     rounds: dict = {eng: [] for eng in servers}
-    cmds = {}
+    cmds, seconds = {}, {eng: 0.0 for eng in servers}
     engines = list(servers)
     for r in range(ns.quant_paired_rounds):
         for eng in (engines if r % 2 == 0 else engines[::-1]):
@@ -519,6 +519,7 @@ def _quant_paired(ns, servers: dict, out_dir: str, runs: list[Run]) -> None:
                        *_tokenizer_args(ns), "--result-file", out, "--no-plot")
             cmds[eng] = _pretty(cmd, None)
             run = _run_json("quant-paired", eng, cmd, out, ns.timeout, out[: -len(".json")] + ".log")
+            seconds[eng] += run.seconds
             lv = _level(run.result) if run.ok else None
             rounds[eng].append({"round": r, "tpot_ms": lv.get("median_tpot_ms") if lv else None,
                                 "host_read": run.host_read, "error": run.error})
@@ -527,7 +528,7 @@ def _quant_paired(ns, servers: dict, out_dir: str, runs: list[Run]) -> None:
         res = {"levels": [{"median_tpot_ms": statistics.median(tpots)}] if tpots else [], "rounds": rs}
         with open(os.path.join(out_dir, f"quant-paired-{eng}.json"), "w") as f:
             json.dump(res, f, indent=1)
-        runs.append(Run("quant-paired", eng, cmds.get(eng, ""), ok=bool(tpots), result=res,
+        runs.append(Run("quant-paired", eng, cmds.get(eng, ""), ok=bool(tpots), result=res, seconds=seconds[eng],
                         error="" if tpots else "no round finished"))
 
 
