@@ -36,7 +36,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "mappings (Linux)."),
     EnvVar("PAGEDLLM_KQUANT_TILE_CACHE", "1", "0: pack GGUF K-quant weights into our tiled layout at every load instead "
            "of keeping the tiles on disk after the first (<cache dir>/kquant-tiles, about the GGUF's size) and mapping "
-           "them at later loads (Qwen2.5-Coder-1.5B Q4_K_M: ~3 s less start-up)."),
+           "them at later loads (Qwen2.5-Coder-1.5B Q4_K_M: 1.2-3 s less start-up)."),
     EnvVar("PAGEDLLM_MALLOC_KEEP", "1", "0: leave glibc's malloc thresholds as they are (by default, once the model "
            "is loaded, blocks up to 64 MiB come from the heap and up to 256 MiB of freed heap is kept, so a step's "
            "activations reuse memory instead of new zeroed pages)."),

@@ -9,9 +9,9 @@ rows interleaved per tile so that one 32-bit SIMD lane holds 4 consecutive codes
 Q5_K's 6-bit scales are unpacked to bytes (+2.8 % / +2.3 %). The file's view is dropped once tiled, so resident
 weight memory is the tiled bytes (the mapped pages are dropped: ``file_backed``; the tiles are carved from
 huge-page-advised memory while a model loads: ``pagedllm.utils.hugepages.weight_arena``, or mapped from the tiles a
-first load wrote to disk: ``tile_cache``). A decode GEMV streams each
-tile once, sequentially (prefetching 2 KB ahead), 16 rows per instruction, with the block scales applied per group to
-one float32 accumulator per row (the epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
+first load wrote to disk: ``tile_cache``). A decode GEMV streams each tile once, sequentially (prefetching 2 KB
+ahead), 16 rows per instruction, with the block scales applied per group to one float32 accumulator per row (the
+epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
 along K before: 2.5-3x the memory floor at decode; now 1.15-1.6x, see the issue-20 report.)
 
 The activations are quantized per 32 inputs to 15 bits (``quantize_activations``); the u8 x s8 products are summed
