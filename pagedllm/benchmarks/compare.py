@@ -509,10 +509,10 @@ def _quant_paired(ns, servers: dict, out_dir: str, runs: list[Run]) -> None:
     rounds: dict = {eng: [] for eng in servers}
     cmds, seconds = {}, {eng: 0.0 for eng in servers}
     engines = list(servers)
+    os.makedirs(os.path.join(out_dir, "paired"), exist_ok=True)
     for r in range(ns.quant_paired_rounds):
         for eng in (engines if r % 2 == 0 else engines[::-1]):
             out = os.path.join(out_dir, "paired", f"{eng}-{r}.json")
-            os.makedirs(os.path.dirname(out), exist_ok=True)
             cmd = _cli("serve", "--base-url", servers[eng].base_url, "--backend", "openai", "--dataset-name",
                        "random", "--input-len", "128", "--output-len", str(ns.single_output_len), "--num-prompts",
                        "1", "--max-concurrency", "1", "--seed", str(100 + r), "--label", PEER_NAMES[eng],

@@ -90,9 +90,14 @@ def _layout_hash() -> str:
     return _layout
 
 
+def _version(span: FileSpan) -> str:
+    """The name prefix of the cache files of this GGUF version and packing code."""
+    return f"{span.ident}-{_layout_hash()}-"
+
+
 def cache_path(first: FileSpan) -> str:
     """The cache file of a load whose first cached tensor is at ``first``."""
-    return os.path.join(first.folder, f"{first.ident}-{_layout_hash()}-{first.offset}.tiles")
+    return os.path.join(first.folder, f"{_version(first)}{first.offset}.tiles")
 
 
 def _rollup_pmd_kb() -> Optional[int]:
@@ -286,7 +291,7 @@ def _write(load: _Load) -> None:
         # 77 % mapped with 2 MiB entries, and decode steps ~1 % slower): dropped, the next load's huge-page-advised
         # read-in makes 2 MiB folios of all of it.
         _drop_page_cache(path)
-        keep = f"{load.first.ident}-{_layout_hash()}-"
+        keep = _version(load.first)
         for name in os.listdir(load.first.folder):
             if name.endswith(".tiles") and not name.startswith(keep):
                 os.unlink(os.path.join(load.first.folder, name))
