@@ -705,70 +705,50 @@ static inline __attribute__((always_inline)) void kq_dots_ub(const int T, const 
     }
 }
 
-/* AVX2 without VNNI: lanes l0 .. l0 + 7 of a tile for rows m0 .., each group's dots by kq_dots_ub (A8: 8-bit
- * activations) or kq_dots_pw, then the shared epilogue. */
-static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, const int MR, const int A8,
+/* AVX2 without VNNI: lanes l0 .. l0 + 8 NH - 1 of a tile for rows m0 .., in one pass over K: each group's dots by
+ * kq_dots_ub (A8: 8-bit activations) or kq_dots_pw, then the shared epilogue, per 8-lane half. NH = 2 (both halves;
+ * registers allow it for one row) uses each group's 64-byte code lines whole as they arrive; with NH = 1 a tile takes
+ * one pass per half and the second re-reads it from L2. Every lane's float operations are the same either way, so
+ * the bits are. EPYC Zen 3, 2 threads, interleaved in one process, one row: the 1.5B Q4_K_M's 197 linear matmuls
+ * 69-71 -> 48-54 ms a step with NH = 2 (the Q6_K head 7.1-7.4 -> 5.0-5.6 ms); engine decode step 52.7 -> 36.6 ms
+ * (median of 6 requests, 1.55 -> 1.14x the memory floor). */
+static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, const int MR, const int NH, const int A8,
                                                                const uint8_t *tile, int l0, const kq_act *a,
                                                                int64_t m0, float res[4][KQ_R]) {
     const int64_t K = a->K;
     const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
     const int64_t tb = kq_tbytes(T);
     const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
-    VF acc[4], sacc[4];
-    for (int r = 0; r < MR; r++) acc[r] = sacc[r] = VZEROF;
+    VF acc[2][4], sacc[2][4];
+    for (int hf = 0; hf < NH; hf++)
+        for (int r = 0; r < MR; r++) acc[hf][r] = sacc[hf][r] = VZEROF;
     for (int64_t sb = 0; sb < K / qk; sb++) {
         const uint8_t *h = tile + sb * tb;
-        const VF dv = VF16(h + 2 * l0);
-        const VF dmv = kmin ? VF16(h + 32 + 2 * l0) : VZEROF;
+        VF dv[2], dmv[2];
+        for (int hf = 0; hf < NH; hf++) {
+            dv[hf] = VF16(h + 2 * (l0 + KQ_W * hf));
+            dmv[hf] = kmin ? VF16(h + 32 + 2 * (l0 + KQ_W * hf)) : VZEROF;
+        }
         for (int j = 0; j < ng; j++) {
-            const uint8_t *g = h + hb + j * gb + 4 * l0;
             const int64_t gi = sb * ng + j;
             if (l0 == 0)
                 for (int pl = 0; pl < gb; pl += 64)
                     WEIGHT_PREFETCH(h + hb + j * gb + KQ_PREFETCH + pl, 3);
-            VF A0, A1, B;
-            kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
-            VI dq[2][4];
-            if (A8) kq_dots_ub(T, MR, g, a, m0, gi, dq);
-            else kq_dots_pw(T, MR, g, a, m0, gi, dq);
-            kq_group_fma(T, MR, 0, dq, A0, A1, B, a, m0, gi, acc, sacc);
-        }
-    }
-    for (int r = 0; r < MR; r++) VSTOREF(res[r] + l0, kmin ? VSUBF(acc[r], sacc[r]) : acc[r]);
-}
-
-/* kq_tile_avx2 for one activation row, both 8-lane halves of the tile in one pass over K (each group's 64-byte code
- * lines used whole as they arrive) instead of one pass per half (the second re-read the tile from L2): every lane's
- * float operations are kq_tile_avx2's, in its order, so the bits are the same. EPYC Zen 3, 2 threads, interleaved in
- * one process: the 1.5B Q4_K_M's 197 linear matmuls at one row 69-71 -> 48-54 ms a step (the Q6_K head 7.1-7.4 ->
- * 5.0-5.6 ms); engine decode step 52.7 -> 36.6 ms (median of rounds, 1.55 -> 1.14x the memory floor). */
-static inline __attribute__((always_inline)) void kq_tile_avx2_1(const int T, const int A8, const uint8_t *tile,
-                                                                 const kq_act *a, int64_t m0, float res[4][KQ_R]) {
-    const int64_t K = a->K;
-    const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
-    const int64_t tb = kq_tbytes(T);
-    const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
-    VF acc[2] = {VZEROF, VZEROF}, sacc[2] = {VZEROF, VZEROF};
-    for (int64_t sb = 0; sb < K / qk; sb++) {
-        const uint8_t *h = tile + sb * tb;
-        for (int j = 0; j < ng; j++) {
-            const int64_t gi = sb * ng + j;
-            for (int pl = 0; pl < gb; pl += 64) WEIGHT_PREFETCH(h + hb + j * gb + KQ_PREFETCH + pl, 3);
 #pragma GCC unroll 2
-            for (int hf = 0; hf < 2; hf++) {
-                const int l0 = KQ_W * hf;
-                const VF dv = VF16(h + 2 * l0);
-                const VF dmv = kmin ? VF16(h + 32 + 2 * l0) : VZEROF;
+            for (int hf = 0; hf < NH; hf++) {
+                const int l = l0 + KQ_W * hf;
                 VF A0, A1, B;
-                kq_group_scales(T, h, j, l0, dv, dmv, &A0, &A1, &B);
+                kq_group_scales(T, h, j, l, dv[hf], dmv[hf], &A0, &A1, &B);
                 VI dq[2][4];
-                if (A8) kq_dots_ub(T, 1, h + hb + j * gb + 4 * l0, a, m0, gi, dq);
-                else kq_dots_pw(T, 1, h + hb + j * gb + 4 * l0, a, m0, gi, dq);
-                kq_group_fma(T, 1, 0, dq, A0, A1, B, a, m0, gi, &acc[hf], &sacc[hf]);
+                if (A8) kq_dots_ub(T, MR, h + hb + j * gb + 4 * l, a, m0, gi, dq);
+                else kq_dots_pw(T, MR, h + hb + j * gb + 4 * l, a, m0, gi, dq);
+                kq_group_fma(T, MR, 0, dq, A0, A1, B, a, m0, gi, acc[hf], sacc[hf]);
             }
         }
     }
-    for (int hf = 0; hf < 2; hf++) VSTOREF(res[0] + KQ_W * hf, kmin ? VSUBF(acc[hf], sacc[hf]) : acc[hf]);
+    for (int hf = 0; hf < NH; hf++)
+        for (int r = 0; r < MR; r++)
+            VSTOREF(res[r] + l0 + KQ_W * hf, kmin ? VSUBF(acc[hf][r], sacc[hf][r]) : acc[hf][r]);
 }
 #endif
 
@@ -826,13 +806,10 @@ static inline __attribute__((always_inline)) void kq_tile_scalar(const int T, co
 static inline __attribute__((always_inline)) void kq_tile(const int T, const int MR, const int A8, const uint8_t *tile,
                                                           const kq_act *a, int64_t m0, float res[4][KQ_R]) {
 #if KQ_ISA == 1
-    if (MR == 1) { /* decode rows */
-        kq_tile_avx2_1(T, A8, tile, a, m0, res);
-        return;
-    }
-    for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) {
-        kq_tile_avx2(T, MR, A8, tile, l0, a, m0, res);
-    }
+    if (MR == 1) /* decode rows: both halves in one pass */
+        kq_tile_avx2(T, 1, 2, A8, tile, 0, a, m0, res);
+    else
+        for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) kq_tile_avx2(T, MR, 1, A8, tile, l0, a, m0, res);
 #elif KQ_ISA >= 2
     for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) kq_tile_vec(T, MR, A8, tile, l0, a, m0, res);
 #else
