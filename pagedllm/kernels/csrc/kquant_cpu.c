@@ -710,8 +710,8 @@ static inline __attribute__((always_inline)) void kq_dots_ub(const int T, const 
  * registers allow it for one row) uses each group's 64-byte code lines whole as they arrive; with NH = 1 a tile takes
  * one pass per half and the second re-reads it from L2. Every lane's float operations are the same either way, so
  * the bits are. EPYC Zen 3, 2 threads, interleaved in one process, one row: the 1.5B Q4_K_M's 197 linear matmuls
- * 69-71 -> 48-54 ms a step with NH = 2 (the Q6_K head 7.1-7.4 -> 5.0-5.6 ms); engine decode step 52.7 -> 36.6 ms
- * (median of 6 requests, 1.55 -> 1.14x the memory floor). */
+ * 69-71 -> 48-54 ms a step with NH = 2 (the Q6_K head 7.1-7.4 -> 5.0-5.6 ms); engine decode step over the memory
+ * floor 1.57 -> 1.23x (bench compare runs before and after). */
 static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, const int MR, const int NH, const int A8,
                                                                const uint8_t *tile, int l0, const kq_act *a,
                                                                int64_t m0, float res[4][KQ_R]) {
