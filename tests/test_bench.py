@@ -962,18 +962,21 @@ def test_server_stop_waits_for_the_whole_process_group(tmp_path):
 
     from pagedllm.benchmarks import peers
 
-    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    # The child says it is ready only once SIGTERM is ignored: a process that pgrep already lists may not have run
+    # its first line yet (under CI's load the SIGTERM once came first and killed it, and stop() returned in 7 ms).
+    ready = tmp_path / "child-ready"
+    child = (f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(ready)!r}, 'w').close(); "
+             "time.sleep(60)")
     leader = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
               "time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
     server = peers.ServerProcess("fake", [], 0, str(tmp_path / "log"), proc=proc)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # both processes up
-        members = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        if len(members) == 2:
-            break
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert peers._group_alive(proc.pid)
+    assert ready.exists(), "the child never started"
+    members = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(members) == 2 and peers._group_alive(proc.pid)
     t0 = time.monotonic()
     server.stop(timeout=1.0)
     assert time.monotonic() - t0 >= 0.9  # it waited for the child that ignored SIGTERM ...
