@@ -202,29 +202,35 @@ def test_tiled_layout_holds_the_files_values(qtype):
     assert torch.equal(kquant_linear(x, [w]), kquant_linear(x, [t]))
 
 
-def _build_for(tmp_path, march: str) -> ctypes.CDLL:
-    """The kquant library compiled for ``-march=<march>`` (the binding table's flags and functions), to run the
-    code paths this CPU's own levels don't select."""
+@pytest.fixture(scope="module")
+def march_builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
+    """The kquant library compiled for ``-march=x86-64`` ("scalar") and ``-march=x86-64-v3`` ("plain_avx2": AVX2
+    without VNNI) with the binding table's flags and functions, to run the code paths this CPU's own levels don't
+    select; built once for the module (each build takes seconds, and eleven tests use them)."""
     from pagedllm.kernels.bindings import LIBRARIES
     from pagedllm.kernels.build import CSRC
 
     spec = LIBRARIES["kquant"]
-    so = str(tmp_path / f"kquant-{march}.so")
-    subprocess.run([os.environ.get("CC", "gcc"), *spec.flags, f"-march={march}", "-shared", "-fPIC",
-                    *(os.path.join(CSRC, s) for s in spec.sources), "-o", so, "-lm"], check=True)
-    lib = ctypes.CDLL(so)
-    for name, fn in spec.functions.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = list(fn.argtypes), fn.restype
-    return lib
+    out = tmp_path_factory.mktemp("kquant-march")
+    libs = {}
+    for name, march in (("scalar", "x86-64"), ("plain_avx2", "x86-64-v3")):
+        so = str(out / f"kquant-{march}.so")
+        subprocess.run([os.environ.get("CC", "gcc"), *spec.flags, f"-march={march}", "-shared", "-fPIC",
+                        *(os.path.join(CSRC, s) for s in spec.sources), "-o", so, "-lm"], check=True)
+        lib = ctypes.CDLL(so)
+        for fname, fn in spec.functions.items():
+            getattr(lib, fname).argtypes, getattr(lib, fname).restype = list(fn.argtypes), fn.restype
+        libs[name] = lib
+    return libs
 
 
-def test_every_isa_gives_the_same_bits(tmp_path):
+def test_every_isa_gives_the_same_bits(march_builds):
     """The scalar build, plain AVX2 (vpmaddubsw), and every level this CPU runs (avx2 with AVX-VNNI where the CPU
     has it, the AVX-512 levels with AVX512-VNNI) agree bit for bit: the integer sums are exact and the float
     operations run in the same order on every path."""
     from pagedllm import kernels
 
-    libs = {"scalar": _build_for(tmp_path, "x86-64"), "plain_avx2": _build_for(tmp_path, "x86-64-v3")}
+    libs = dict(march_builds)
     for level in kernels.supported_levels():
         if level != "none":
             libs[level] = kernels.load("kquant", level)
@@ -258,7 +264,7 @@ def test_every_isa_gives_the_same_bits(tmp_path):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("bits", [8, 16])
-def test_largest_codes_and_activations_stay_exact(tmp_path, qtype, bits):
+def test_largest_codes_and_activations_stay_exact(march_builds, qtype, bits):
     """The integer sums' worst case: every code at its largest (all code bits set; Q8_0 at -128 and 127), and
     activation blocks whose 15-bit codes are all at +-16256 (hi = +-127) or at 16255 (hi 126, lo 127). The AVX2
     build widens the codes to int16 (Q8_0's by sign extension) and multiplies them by xq in int16 pairs: a wrong
@@ -278,7 +284,7 @@ def test_largest_codes_and_activations_stay_exact(tmp_path, qtype, bits):
     near = torch.full((blocks, 32), 16255.5 / 16256)  # rounds to xq 16255 = 128 * 126 + 127
     near[:, 0] = 1.0
     x = torch.stack([top, -top, near, -near]).reshape(4, k).float()
-    libs = {"scalar": _build_for(tmp_path, "x86-64"), "plain_avx2": _build_for(tmp_path, "x86-64-v3")}
+    libs = march_builds
     ys = {name: kquant_matmul(quantize_activations(x, lib, bits), [w], torch.float32, lib=lib)
           for name, lib in libs.items()}
     assert torch.equal(ys["plain_avx2"], ys["scalar"]), qtype.name
