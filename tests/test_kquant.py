@@ -253,7 +253,9 @@ def test_every_isa_gives_the_same_bits(march_builds):
     for qtype in TYPES:
         k = 512 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 128
         w = KQuantWeight(qtype, k, torch.from_numpy(_blocks(qtype, 21, k, seed=2)))
-        for m in (1, 6):  # 1: the AVX2 build's one-pass tile (kq_tile_avx2 NH = 2); 6: tiles of 4 and 2 rows
+        # 1: the AVX2 build's one-pass tile (kq_tile_avx2 NH = 2); 6, 7: tiles of 4 and 2, 4 and 3 rows (at 8 bits the
+        # AVX2 build's rows kernel, kq_tile_avx2_a8)
+        for m in (1, 6, 7):
             x = torch.randn(m, k).bfloat16()
             for bits in (8, 16):
                 ys = {name: kquant_matmul(quantize_activations(x, lib, bits), [w], torch.float32, lib=lib)
