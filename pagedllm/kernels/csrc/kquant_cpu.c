@@ -768,7 +768,7 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, cons
  * prefill of the 1.5B 19.8 -> 16.4 s (medians of 4 alternating runs on a noisy host). Without the empty asm that
  * pins each int16 sum to a register chain, gcc parked every product on the stack and summed them in a tree (no faster
  * than before). Tried and dropped: Q6_K's codes as signed q - 32 (|q - 32| against sign(hi, q - 32), 4 chunks a run
- * instead of 2): 0.8x. */
+ * instead of 2): 0.8x. A build with -DKQ_NO_A8_ROWS takes the two-pass path back (for such A/B runs). */
 static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, const int MR, const uint8_t *tile,
                                                                   const kq_act *a, int64_t m0, float res[4][KQ_R]) {
     const int64_t K = a->K;
