@@ -763,7 +763,7 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, cons
  * (2 MR registers) stay in registers over a run of chunks (kq_dots_ub's bound: Q4_K 8, Q5 4, Q6_K 2, Q8_0 1), then
  * widen by vpmaddwd against ones into int32. The integers are the same sums (exact, any order), the float epilogue is
  * kq_group_fma per half, so the bits are those of the one-row and the scalar paths. Against the two passes of
- * kq_dots_ub (EPYC Zen 3, 2 threads, 256 rows, builds interleaved in one process): Qwen2.5-Coder-1.5B's Q4_K 1.1-1.3x,
+ * kq_dots_ub (EPYC Zen 3, 2 threads, 256 rows, builds interleaved in one process): Qwen2.5-Coder-1.5B's Q4_K 1.3-1.4x,
  * Q6_K 1.1-1.2x; the 0.5B's Q5_0 1.7-1.9x, Q4_K / Q6_K 1.4-1.5x, Q8_0 1.4x; Gemma-3-270M's Q5_0 1.8x; a whole 1,024-token
  * prefill of the 1.5B 19.8 -> 16.4 s (medians of 4 alternating runs on a noisy host). Without the empty asm that
  * pins each int16 sum to a register chain, gcc parked every product on the stack and summed them in a tree (no faster
