@@ -426,17 +426,22 @@ def test_real_model_greedy_equals_dequantized_float32_and_memory(path_fn):
     sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     ids = [tok.encode(p) for p in PROMPTS]
     got = [o.outputs[0].token_ids for o in quant.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in dense.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)]
-    for p, g, w in zip(ids, got, want):
-        if g == w:
+    identical = 0
+    for p, g in zip(ids, got):
+        assert len(g) == 64
+        # the float32 model's logits after the prompt and each of our tokens, in one prefill (teacher forcing): its
+        # greedy run is ours up to the first position where its pick is not our token (64 float32 decode steps took
+        # ~1 s each on an AVX2-only EPYC: MKL's generic sgemm path on AMD; this prefill, seconds)
+        logits = prefill_logits(dm, p + g[:-1], chunk=len(p) + len(g), keep_last=len(g))
+        picks = logits.argmax(-1).tolist()
+        if picks == g:
+            identical += 1
             continue
-        i = next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)
-        logits = prefill_logits(dm, p + g[:i], chunk=len(p) + i)[-1]
-        gap = float(logits[w[i]] - logits[g[i]])
-        print(f"near-tie at token {i}: float32 logits {logits[w[i]]:.4f} (its pick) vs {logits[g[i]]:.4f} (ours)")
+        i = next(j for j, (a, b) in enumerate(zip(picks, g)) if a != b)
+        gap = float(logits[i, picks[i]] - logits[i, g[i]])
+        print(f"near-tie at token {i}: float32 logits {logits[i, picks[i]]:.4f} (its pick) vs {logits[i, g[i]]:.4f} (ours)")
         assert gap < NEAR_TIE, f"divergence at token {i} is not a near-tie (gap {gap:.4f})"
-    print(f"greedy identical for {sum(g == w for g, w in zip(got, want))}/{len(ids)} prompts "
-          f"({time.perf_counter() - t0:.1f} s)")
+    print(f"greedy identical for {identical}/{len(ids)} prompts ({time.perf_counter() - t0:.1f} s)")
 
 
 def test_library_is_built():
