@@ -228,9 +228,23 @@ def test_pack_linear_weights_replaces_linears_and_tied_head():
     torch.testing.assert_close(logits, ref_logits.float(), atol=1e-1, rtol=1e-2)
 
 
+@pytest.mark.parametrize("level", ["avx512_bf16", "avx2", "none"])  # the AVX-512 and AVX2 bodies; torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cols", [1, 15, 16, 17, 63, 64, 65, 100, 127, 200, 49152, 262144])
-def test_argmax_rows_matches_torch_including_ties_and_nan(cols, dtype):
+@pytest.mark.parametrize("cols", [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 200, 49152, 65536,
+                                  151936, 262144])
+def test_argmax_rows_matches_torch_including_ties_and_nan(cols, dtype, level):
+    import dataclasses
+
+    from pagedllm import kernels
+    from pagedllm.kernels.config import supported_levels
+
+    if level not in supported_levels():
+        pytest.skip(f"this CPU runs below {level}")
+    with kernels.use(dataclasses.replace(kernels.config(), level=level)):
+        _check_argmax_rows(cols, dtype)
+
+
+def _check_argmax_rows(cols, dtype):
     torch.manual_seed(cols)
     x = torch.randn(9, cols).to(dtype)
     x[1] = 0.0  # all tied: first index
@@ -242,11 +256,16 @@ def test_argmax_rows_matches_torch_including_ties_and_nan(cols, dtype):
         # and a column of the last whole 16-wide chunks vs one of the 64-wide loop
         x[5, min(47, cols - 1)] = x[5, cols - 1 - (cols - 1) % 16] = 50.0
         x[6, cols - 1] = x[6, cols - 2] = 60.0
+        x[8, min(23, cols - 1)] = x[8, cols - 1 - (cols - 1) % 8] = 70.0  # the same for the AVX2 body's 8-wide tail
+        x[0, cols // 2 - 1] = x[0, cols // 2] = 80.0  # a tie across the cut of a split row
         x[7, 3 * cols // 4] = float("nan")
         x[7, 5] = float("nan")  # the first NaN wins
     got = cpu_kernels.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.float().argmax(dim=-1))
+    # one row alone: from 65,536 columns the threads split it (ties and NaNs on both sides of the cut at cols / 2)
+    for r in range(x.shape[0]):
+        assert cpu_kernels.argmax_rows(x[r : r + 1]).tolist() == x[r : r + 1].float().argmax(dim=-1).tolist(), r
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
