@@ -768,16 +768,27 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, cons
  * prefill of the 1.5B 19.8 -> 16.4 s (medians of 4 alternating runs on a noisy host). Without the empty asm that
  * pins each int16 sum to a register chain, gcc parked every product on the stack and summed them in a tree (no faster
  * than before). Tried and dropped: Q6_K's codes as signed q - 32 (|q - 32| against sign(hi, q - 32), 4 chunks a run
- * instead of 2): 0.8x. A build with -DKQ_NO_A8_ROWS takes the two-pass path back (for such A/B runs). */
-static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, const int MR, const uint8_t *tile,
-                                                                  const kq_act *a, int64_t m0, float res[4][KQ_R]) {
+ * instead of 2): 0.8x. A build with -DKQ_NO_A8_ROWS takes the two-pass path back (for such A/B runs).
+ * LO = 1 (MR = 1, 15-bit activations: a decode row): the same pass also multiplies each chunk's codes by the 4 bytes
+ * of lo (in [0, 127]: the int16 runs keep their bound) into their own int16 sums, and each run widens to
+ * 128 hi + lo (vpmaddwd against 128s and against ones), the exact int32 dot kq_dots_pw computes, so the bits are
+ * its bits; the weight stream is prefetched as kq_tile_avx2 does. Per chunk and 8 lanes that is 2 vpmaddubsw and
+ * 2 int16 adds where kq_dots_pw takes 2 unpacks, 2 vpmaddwd and 2 int32 adds (and a vphaddd per group), and the codes
+ * are unpacked once for both halves. EPYC Zen 3, one thread, weights hot in L2, one row: Q5_0 1.15-1.5x,
+ * Q4_K 1.2x, Q6_K 1.07-1.1x; Q8_0 0.8x (each chunk's signs cost 4 vpsignb more), so Q8_0 keeps kq_dots_pw.
+ * In the engine (2 threads, builds alternating, host reads 26-38 GB/s): Gemma-3-270M's fused layer stack
+ * 3.41-3.51 -> 3.03-3.12 ms a decode step, Qwen2.5-Coder-0.5B's 8.63-8.68 -> 8.13-8.36 ms. -DKQ_NO_W15_ROW builds
+ * the kq_dots_pw path back for every type. */
+static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, const int MR, const int LO,
+                                                                  const uint8_t *tile, const kq_act *a, int64_t m0,
+                                                                  float res[4][KQ_R]) {
     const int64_t K = a->K;
     const int qk = kq_qk(T), ng = qk / 32, hb = kq_hbytes(T), gb = kq_gbytes(T);
     const int64_t tb = kq_tbytes(T);
     const int kmin = (T == KQ_Q4_K || T == KQ_Q5_K);
     const int run = T == KQ_Q4_K ? 8 : (T == KQ_Q5_K || T == KQ_Q5_0) ? 4 : T == KQ_Q6_K ? 2 : 1;
-    const VI ones = _mm256_set1_epi16(1);
-    const int8_t *xr[4];
+    const VI ones = _mm256_set1_epi16(1), v128 = _mm256_set1_epi16(128);
+    const int8_t *xr[4], *xl = a->xlo + m0 * K;
     for (int r = 0; r < MR; r++) xr[r] = a->xhi + (m0 + r) * K;
     VF acc[2][4], sacc[2][4];
     for (int hf = 0; hf < 2; hf++)
@@ -787,8 +798,10 @@ static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, c
         for (int j = 0; j < ng; j++) {
             const int64_t gi = sb * ng + j;
             const uint8_t *g = h + hb + j * gb;
+            if (LO) /* one-row decode streams the weights: kq_tile_avx2's prefetch */
+                for (int pl = 0; pl < gb; pl += 64) WEIGHT_PREFETCH(g + KQ_PREFETCH + pl, 3);
             VI s32[2][2][4]; /* [Q6_K half group][lane half][row] */
-            VI s16[2][4];
+            VI s16[2][4], l16[2];
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {
                 const VI c0 = kq_chunk_codes(T, g, c), c1 = kq_chunk_codes(T, g + 32, c);
@@ -806,11 +819,21 @@ static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, c
                     s16[1][r] = c % run == 0 ? p1 : _mm256_add_epi16(s16[1][r], p1);
                     __asm__("" : "+x"(s16[0][r]), "+x"(s16[1][r])); /* register chains, as in kq_dots_pw */
                 }
+                if (LO) { /* the low 7 bits of the one row's 15-bit xq, the same bound on the int16 sums */
+                    const VI xb = VSET32(kq_ld32(xl + 32 * gi + 4 * c));
+                    const VI p0 = _mm256_maddubs_epi16(u0, T == KQ_Q8_0 ? _mm256_sign_epi8(xb, c0) : xb);
+                    const VI p1 = _mm256_maddubs_epi16(u1, T == KQ_Q8_0 ? _mm256_sign_epi8(xb, c1) : xb);
+                    l16[0] = c % run == 0 ? p0 : _mm256_add_epi16(l16[0], p0);
+                    l16[1] = c % run == 0 ? p1 : _mm256_add_epi16(l16[1], p1);
+                    __asm__("" : "+x"(l16[0]), "+x"(l16[1]));
+                }
                 if (c % run == run - 1) {
                     const int hh = T == KQ_Q6_K ? c / 4 : 0, first = T == KQ_Q6_K ? c % 4 == run - 1 : c == run - 1;
                     for (int hf = 0; hf < 2; hf++)
                         for (int r = 0; r < MR; r++) {
-                            const VI w = _mm256_madd_epi16(s16[hf][r], ones);
+                            /* 8-bit rows: hi sums (x 128 at the end); 15-bit: 128 hi + lo here */
+                            const VI w = LO ? VADD32(_mm256_madd_epi16(s16[hf][r], v128), _mm256_madd_epi16(l16[hf], ones))
+                                            : _mm256_madd_epi16(s16[hf][r], ones);
                             s32[hh][hf][r] = first ? w : VADD32(s32[hh][hf][r], w);
                         }
                 }
@@ -821,8 +844,8 @@ static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, c
                 kq_group_scales(T, h, j, KQ_W * hf, dv, dmv, &A0, &A1, &B);
                 VI dq[2][4];
                 for (int r = 0; r < MR; r++) {
-                    dq[0][r] = VSLL32(s32[0][hf][r], 7);
-                    dq[1][r] = T == KQ_Q6_K ? VSLL32(s32[1][hf][r], 7) : VZERO;
+                    dq[0][r] = LO ? s32[0][hf][r] : VSLL32(s32[0][hf][r], 7);
+                    dq[1][r] = T != KQ_Q6_K ? VZERO : LO ? s32[1][hf][r] : VSLL32(s32[1][hf][r], 7);
                 }
                 kq_group_fma(T, MR, 0, dq, A0, A1, B, a, m0, gi, acc[hf], sacc[hf]);
             }
@@ -888,11 +911,16 @@ static inline __attribute__((always_inline)) void kq_tile_scalar(const int T, co
 static inline __attribute__((always_inline)) void kq_tile(const int T, const int MR, const int A8, const uint8_t *tile,
                                                           const kq_act *a, int64_t m0, float res[4][KQ_R]) {
 #if KQ_ISA == 1
+#ifndef KQ_NO_W15_ROW
+    if (MR == 1 && !A8 && T != KQ_Q8_0) /* a decode row on 15-bit activations (Q8_0: kq_dots_pw, see above) */
+        kq_tile_avx2_a8(T, 1, 1, tile, a, m0, res);
+    else
+#endif
     if (MR == 1) /* decode rows: both halves in one pass */
         kq_tile_avx2(T, 1, 2, A8, tile, 0, a, m0, res);
 #ifndef KQ_NO_A8_ROWS
     else if (A8)
-        kq_tile_avx2_a8(T, MR, tile, a, m0, res);
+        kq_tile_avx2_a8(T, MR, 0, tile, a, m0, res);
 #endif
     else
         for (int l0 = 0; l0 < KQ_R; l0 += KQ_W) kq_tile_avx2(T, MR, 1, A8, tile, l0, a, m0, res);
