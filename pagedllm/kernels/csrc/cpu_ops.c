@@ -297,6 +297,15 @@ void NAME(const T* x, int64_t* out, int64_t rows, int64_t cols) {               
     for (int64_t r = 0; r < rows; ++r) out[r] = NAME##_range(x + r * cols, cols););                          \
 }
 
+/* The vector bodies' lanes (running maxima vals[l] at indices idx[l]) merged: the largest, the lower index on ties. */
+static inline int64_t argmax_merge_lanes(const float *vals, const int32_t *idx, int n, float *bv) {
+    int64_t best = idx[0];
+    *bv = vals[0];
+    for (int l = 1; l < n; ++l)
+        if (vals[l] > *bv || (vals[l] == *bv && idx[l] < best)) { *bv = vals[l]; best = idx[l]; }
+    return best;
+}
+
 #if defined(__AVX512F__)
 /* 4 x 16 running maxima (strict >, so each lane keeps its first maximum) and their indices: accumulator a, lane l
  * sees the indices 64 j + 16 a + l in increasing order (then accumulator 0 takes the last whole 16-wide chunks), so
@@ -340,10 +349,7 @@ void NAME(const T* x, int64_t* out, int64_t rows, int64_t cols) {               
                     _mm512_storeu_ps(vals + 16 * a, mv[a]);                                                   \
                     _mm512_storeu_si512((void*)(idx + 16 * a), mi[a]);                                        \
                 }                                                                                             \
-                bv = vals[0];                                                                                 \
-                best = idx[0];                                                                                \
-                for (int l = 1; l < 64; ++l)                                                                  \
-                    if (vals[l] > bv || (vals[l] == bv && idx[l] < best)) { bv = vals[l]; best = idx[l]; }    \
+                best = argmax_merge_lanes(vals, idx, 64, &bv);                                               \
             }                                                                                                 \
         }
 #define ARGMAX_VECTOR_f32 ARGMAX_VECTOR_BODY(ARGMAX_LOADV_f32)
@@ -393,10 +399,7 @@ void NAME(const T* x, int64_t* out, int64_t rows, int64_t cols) {               
                     _mm256_storeu_ps(vals + 8 * a, mv[a]);                                                    \
                     _mm256_storeu_si256((__m256i*)(idx + 8 * a), mi[a]);                                      \
                 }                                                                                             \
-                bv = vals[0];                                                                                 \
-                best = idx[0];                                                                                \
-                for (int l = 1; l < 32; ++l)                                                                  \
-                    if (vals[l] > bv || (vals[l] == bv && idx[l] < best)) { bv = vals[l]; best = idx[l]; }    \
+                best = argmax_merge_lanes(vals, idx, 32, &bv);                                               \
             }                                                                                                 \
         }
 #define ARGMAX_VECTOR_f32 ARGMAX_VECTOR_BODY(ARGMAX_LOADV_f32)
