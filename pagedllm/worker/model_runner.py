@@ -345,8 +345,11 @@ class ModelRunner:
             else:
                 row_idx = [qsl[i + 1] - 1 for i in sample_rows]
                 rows = [states[i].sampler_state for i in sample_rows]
-            last_idx = torch.tensor(row_idx, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, last_idx))
+            if row_idx == list(range(hidden.shape[0])) and hidden.is_contiguous():
+                sample_hidden = hidden  # every row samples, in order (a decode-only step): no gather
+            else:
+                sample_hidden = hidden.index_select(0, torch.tensor(row_idx, dtype=torch.int64, device=self.device))
+            logits = self.model.compute_logits(sample_hidden)
             gb = sched.grammar_bitmask
             if gb is not None and hasattr(gb, "result"):  # filled beside the forward pass (engine/core.py)
                 gb = gb.result()

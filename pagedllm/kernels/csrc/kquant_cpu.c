@@ -987,7 +987,14 @@ int kq_matmul_shards(const kq_shard_t *shards, int64_t n_shards, int64_t K, cons
     kq_act a = {xhi, xlo, xs, xsum32, isum16, K, act8 != 0, NULL};
     int16_t *xq16 = NULL;
 #if KQ_ISA == 1
-    if (!act8) {
+    /* only kq_dots_pw reads it: 15-bit tiles of 2-4 rows, and Q8_0's one-row tiles (the other types' one-row tiles
+     * take kq_tile_avx2_a8 with lo, see kq_tile) */
+    int need_xq16 = !act8 && M > 1;
+#ifdef KQ_NO_W15_ROW
+    need_xq16 = !act8;
+#endif
+    for (int64_t i = 0; i < n_shards && !act8; i++) need_xq16 |= shards[i].type == KQ_Q8_0;
+    if (need_xq16) {
         xq16 = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
         if (!xq16) return -2;
 #pragma omp parallel for schedule(static) if (M * K >= 1 << 16)
