@@ -345,7 +345,7 @@ class ModelRunner:
             else:
                 row_idx = [qsl[i + 1] - 1 for i in sample_rows]
                 rows = [states[i].sampler_state for i in sample_rows]
-            if row_idx == list(range(hidden.shape[0])) and hidden.is_contiguous():
+            if len(row_idx) == hidden.shape[0] and row_idx == list(range(len(row_idx))) and hidden.is_contiguous():
                 sample_hidden = hidden  # every row samples, in order (a decode-only step): no gather
             else:
                 sample_hidden = hidden.index_select(0, torch.tensor(row_idx, dtype=torch.int64, device=self.device))
