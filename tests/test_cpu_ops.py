@@ -228,7 +228,7 @@ def test_pack_linear_weights_replaces_linears_and_tied_head():
     torch.testing.assert_close(logits, ref_logits.float(), atol=1e-1, rtol=1e-2)
 
 
-@pytest.mark.parametrize("level", ["avx512_bf16", "avx2", "none"])  # the AVX-512 and AVX2 bodies; torch
+@pytest.mark.parametrize("level", ["avx512_bf16", "avx2"])  # the AVX-512 and the AVX2 body
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 200, 49152, 65536,
                                   151936, 262144])

@@ -757,8 +757,9 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, cons
             VSTOREF(res[r] + l0 + KQ_W * hf, kmin ? VSUBF(acc[hf][r], sacc[hf][r]) : acc[hf][r]);
 }
 
-/* AVX2 without VNNI, 8-bit activations, MR (2-4) rows: all 16 lanes of a tile in one pass, chunk by chunk. Each chunk's
- * codes are unpacked once for both 8-lane halves and every row (kq_dots_ub unpacks all 8 chunks of a half per call, 8
+/* AVX2 without VNNI, 8-bit activations and MR (2-4) rows, or (LO, below) one row on 15-bit activations: all 16 lanes
+ * of a tile in one pass, chunk by chunk. Each chunk's codes are unpacked once for both 8-lane halves and every row
+ * (kq_dots_ub unpacks all 8 chunks of a half per call, 8
  * registers held across its row loop), each row's 4 broadcast bytes feed both halves' vpmaddubsw, and the int16 sums
  * (2 MR registers) stay in registers over a run of chunks (kq_dots_ub's bound: Q4_K 8, Q5 4, Q6_K 2, Q8_0 1), then
  * widen by vpmaddwd against ones into int32. The integers are the same sums (exact, any order), the float epilogue is
@@ -908,15 +909,25 @@ static inline __attribute__((always_inline)) void kq_tile_scalar(const int T, co
     }
 }
 
+#if KQ_ISA == 1
+/* Whether a one-row tile of type T on 15-bit activations takes kq_tile_avx2_a8 with lo (else kq_dots_pw, the one
+ * reader of kq_act.xq16: Q8_0, see kq_tile_avx2_a8; all types in a -DKQ_NO_W15_ROW build). */
+static inline int kq_w15_row(const int T) {
+#ifdef KQ_NO_W15_ROW
+    (void)T;
+    return 0;
+#else
+    return T != KQ_Q8_0;
+#endif
+}
+#endif
+
 static inline __attribute__((always_inline)) void kq_tile(const int T, const int MR, const int A8, const uint8_t *tile,
                                                           const kq_act *a, int64_t m0, float res[4][KQ_R]) {
 #if KQ_ISA == 1
-#ifndef KQ_NO_W15_ROW
-    if (MR == 1 && !A8 && T != KQ_Q8_0) /* a decode row on 15-bit activations (Q8_0: kq_dots_pw, see above) */
+    if (MR == 1 && !A8 && kq_w15_row(T)) /* a decode row on 15-bit activations */
         kq_tile_avx2_a8(T, 1, 1, tile, a, m0, res);
-    else
-#endif
-    if (MR == 1) /* decode rows: both halves in one pass */
+    else if (MR == 1) /* decode rows: both halves in one pass */
         kq_tile_avx2(T, 1, 2, A8, tile, 0, a, m0, res);
 #ifndef KQ_NO_A8_ROWS
     else if (A8)
@@ -987,13 +998,9 @@ int kq_matmul_shards(const kq_shard_t *shards, int64_t n_shards, int64_t K, cons
     kq_act a = {xhi, xlo, xs, xsum32, isum16, K, act8 != 0, NULL};
     int16_t *xq16 = NULL;
 #if KQ_ISA == 1
-    /* only kq_dots_pw reads it: 15-bit tiles of 2-4 rows, and Q8_0's one-row tiles (the other types' one-row tiles
-     * take kq_tile_avx2_a8 with lo, see kq_tile) */
+    /* only kq_dots_pw reads it: 15-bit tiles of 2-4 rows, and one-row tiles kq_w15_row leaves to it */
     int need_xq16 = !act8 && M > 1;
-#ifdef KQ_NO_W15_ROW
-    need_xq16 = !act8;
-#endif
-    for (int64_t i = 0; i < n_shards && !act8; i++) need_xq16 |= shards[i].type == KQ_Q8_0;
+    for (int64_t i = 0; i < n_shards && !act8; i++) need_xq16 |= !kq_w15_row((int)shards[i].type);
     if (need_xq16) {
         xq16 = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
         if (!xq16) return -2;
