@@ -276,3 +276,42 @@ def test_decode_long_context_partitions(dtype, H, KVH, D, window):
     block_tables = (torch.randperm(NB - 1)[: n * max_blocks] + 1).view(n, max_blocks).contiguous()
     q = (torch.randn(n, H, D) * 3).to(dtype)  # sharper softmax: partitions with very different maxima
     _alone_equals_together_at_1_to_3_threads(q, k_cache, v_cache, block_tables, seq_lens, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H, KVH, D", [(4, 1, 256), (14, 2, 64), (6, 2, 72), (5, 5, 40), (12, 2, 128)])
+def test_decode_same_bits_at_any_block_size(dtype, H, KVH, D):
+    """The same contexts laid out in caches of 4-, 8- and 24-token blocks (block tables shuffled) give the same bits:
+    V is summed a run of tokens at a time (one block's, at most 16: ``PV_RUN`` in paged_decode.c), and where the runs
+    are cut must not change any sum's order. Shapes: query heads per KV head 4 (cut among the threads alone), 7, 3,
+    1, 6; head_dim with a tail past the last whole register block (72, 40). Block sizes that are not multiples of 16,
+    so the AVX-512 BF16 score pass (16-token tiles within a block) stays out. Within bound of float64."""
+    require_native(cpu_kernels.get_lib())
+    torch.manual_seed(3)
+    seq_lens = torch.tensor([300, 1, 37, 160], dtype=torch.int64)
+    n, longest = len(seq_lens), int(seq_lens.max())
+    k = torch.randn(n, longest, KVH, D).to(dtype)  # request r's token t
+    v = torch.randn(n, longest, KVH, D).to(dtype)
+    q = (torch.randn(n, H, D) * 2).to(dtype)
+    scale = 1 / math.sqrt(D)
+    outs = []
+    for BS in (4, 8, 24):
+        width = -(-longest // BS)
+        NB = n * width + 1
+        block_tables = (torch.randperm(NB - 1)[: n * width] + 1).view(n, width).contiguous()
+        k_cache = torch.full((NB, BS, KVH, D), float("nan"), dtype=dtype)
+        v_cache = torch.full((NB, BS, KVH, D), float("nan"), dtype=dtype)
+        pos = torch.arange(longest)
+        for r in range(n):
+            k_cache[block_tables[r, pos // BS], pos % BS] = k[r]
+            v_cache[block_tables[r, pos // BS], pos % BS] = v[r]
+        for window in (None, 100):
+            out = torch.zeros(n, H, D, dtype=dtype)
+            assert cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, None, out, scale, window)
+            outs.append(out)
+            if BS == 8:
+                ref = reference(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(n), scale, window)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    for i, out in enumerate(outs):
+        assert torch.equal(out, outs[i % 2]), i  # each block size equals the first, window for window

@@ -580,7 +580,13 @@ static int dp_dispatch(const uint16_t* q, const uint16_t* k_cache, const uint16_
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 path: the AVX-512 one with 8 float32 lanes (tiles of 8 tokens, no masks: tails go through small buffers);
- * head_dim a multiple of 8, at most 256. */
+ * head_dim a multiple of 8, at most 256. Both passes keep their sums in registers: a tile's 8 score chains advance
+ * side by side (one FMA chain per token in turn left each waiting on the last's latency), and P V accumulates over a
+ * run of tokens per register block (PV_BLOCK) instead of loading and storing every accumulator once a token. Same
+ * bits as those loops (every sum keeps its order). Measured on an AMD EPYC Zen 3 (2 threads, one request, bf16, the
+ * kernel called from C-typed arguments, cache warm or flushed alike): Gemma 3 270M's 4 heads on 1 (D 256) at 512
+ * tokens 90 -> 34 us a layer; Qwen2.5 1.5B's 12 on 2 (D 128) at 160 tokens 37 -> 15 us, at 512 86 -> 44 us; in the
+ * engine, Gemma's 18 layers at 130-190 tokens 440-610 -> 300-410 us a decode step (builds alternating). */
 #include <omp.h>
 #include "simd.h"
 static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
@@ -591,6 +597,43 @@ static inline __m256 reduce8(const __m256* a) {
     const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
 }
+
+/* acc [GB heads][D] (rows D floats apart) += p V over `run` tokens: V rows `vstride` elements apart from `vp`, each
+ * head's weights `ctx` floats apart from `sp` (token i at sp[g ctx + i]). Per CH x 8 dims the GB x CH accumulators
+ * stay in registers over the run (read and written once a run, not once a token); every accumulator still takes its
+ * tokens in order, one FMA each, so the sums are the one-token-at-a-time loop's bit for bit. Dims past the last
+ * whole CH x 8 go one vector at a time. */
+#define PV_RUN 16
+#define PV_BLOCK(T, LOADV, vp, vstride, run, sp, ctx, ap, D, ND, GB, CH)                                      \
+    do {                                                                                                      \
+        int j0 = 0;                                                                                           \
+        for (; j0 + (CH) <= (ND); j0 += (CH)) {                                                               \
+            __m256 a_[GB][CH];                                                                                \
+            for (int g = 0; g < (GB); ++g)                                                                    \
+                for (int c = 0; c < (CH); ++c) a_[g][c] = _mm256_loadu_ps((ap) + g * (D) + 8 * (j0 + c));     \
+            for (int i = 0; i < (run); ++i) {                                                                 \
+                const T* v_ = (vp) + i * (vstride) + 8 * j0;                                                  \
+                __m256 vv_[CH];                                                                               \
+                for (int c = 0; c < (CH); ++c) vv_[c] = LOADV(v_ + 8 * c);                                    \
+                for (int g = 0; g < (GB); ++g) {                                                              \
+                    const __m256 p_ = _mm256_broadcast_ss((sp) + g * (ctx) + i);                              \
+                    for (int c = 0; c < (CH); ++c) a_[g][c] = _mm256_fmadd_ps(p_, vv_[c], a_[g][c]);          \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int g = 0; g < (GB); ++g)                                                                    \
+                for (int c = 0; c < (CH); ++c) _mm256_storeu_ps((ap) + g * (D) + 8 * (j0 + c), a_[g][c]);     \
+        }                                                                                                     \
+        for (; j0 < (ND); ++j0) {                                                                             \
+            __m256 a_[GB];                                                                                    \
+            for (int g = 0; g < (GB); ++g) a_[g] = _mm256_loadu_ps((ap) + g * (D) + 8 * j0);                 \
+            for (int i = 0; i < (run); ++i) {                                                                 \
+                const __m256 vv_ = LOADV((vp) + i * (vstride) + 8 * j0);                                      \
+                for (int g = 0; g < (GB); ++g)                                                                \
+                    a_[g] = _mm256_fmadd_ps(_mm256_broadcast_ss((sp) + g * (ctx) + i), vv_, a_[g]);           \
+            }                                                                                                 \
+            for (int g = 0; g < (GB); ++g) _mm256_storeu_ps((ap) + g * (D) + 8 * j0, a_[g]);                  \
+        }                                                                                                     \
+    } while (0)
 
 #define DEFINE_TASK_AVX2(NAME, T, LOADV, STORE)                                                               \
 static inline __attribute__((always_inline)) void NAME(                                                      \
@@ -628,20 +671,18 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int i = 0; i < nt; ++i)                                                                      \
                 for (int j = 0; j < ND; ++j)                                                                  \
                     _mm256_storeu_ps(ktile + i * D + 8 * j, LOADV(rowp[i] + (int64_t)kh * D + 8 * j));        \
+            for (int i = nt; i < 8; ++i) /* a tail tile's unused rows: zeros (their dots are dropped) */       \
+                for (int j = 0; j < ND; ++j) _mm256_storeu_ps(ktile + i * D + 8 * j, _mm256_setzero_ps());    \
             for (int g = 0; g < G; ++g) {                                                                     \
                 const int gh = (kh - h0) * G + g;                                                             \
                 const float* qg = qf + gh * D;                                                                \
-                __m256 dots[8];                                                                               \
-                for (int i = 0; i < 8; ++i) {                                                                 \
-                    if (i < nt) {                                                                             \
-                        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(ktile + i * D));        \
-                        for (int j = 1; j < ND; ++j)                                                          \
-                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j),                                  \
-                                                _mm256_loadu_ps(ktile + i * D + 8 * j), a);                   \
-                        dots[i] = a;                                                                          \
-                    } else {                                                                                  \
-                        dots[i] = _mm256_setzero_ps();                                                        \
-                    }                                                                                         \
+                __m256 dots[8]; /* the 8 tokens' chains side by side (j outer): 8 FMAs in flight, not one */  \
+                __m256 qv = _mm256_loadu_ps(qg);                                                              \
+                for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(qv, _mm256_loadu_ps(ktile + i * D));      \
+                for (int j = 1; j < ND; ++j) {                                                                \
+                    qv = _mm256_loadu_ps(qg + 8 * j);                                                         \
+                    for (int i = 0; i < 8; ++i)                                                               \
+                        dots[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ktile + i * D + 8 * j), dots[i]);       \
                 }                                                                                             \
                 float sv[8];                                                                                  \
                 _mm256_storeu_ps(sv, reduce8(dots));                                                          \
@@ -680,21 +721,26 @@ static inline __attribute__((always_inline)) void NAME(                         
         inv_sum[gh] = 1.0f / tot;                                                                             \
     }                                                                                                         \
     for (int i = 0; i < GH * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());                       \
-    for (int t = start, b = start / BS, o = start % BS; t < L; ++t) {                                         \
-        const T* vrow = v_cache + (bt[b] * BS + o) * (int64_t)KVH * D;                                        \
-        if (++o == BS) { o = 0; ++b; }                                                                        \
-        for (int kh = h0; kh < h1; ++kh) {                                                                    \
-            const T* vp = vrow + (int64_t)kh * D;                                                             \
-            __m256 vv[32];                                                                                    \
-            for (int j = 0; j < ND; ++j) vv[j] = LOADV(vp + 8 * j);                                           \
-            for (int g = 0; g < G; ++g) {                                                                     \
-                const int gh = (kh - h0) * G + g;                                                             \
-                const __m256 p = _mm256_set1_ps(s[(int64_t)gh * ctx + (t - start)]);                          \
-                float* ag = acc + gh * D;                                                                     \
-                for (int j = 0; j < ND; ++j)                                                                  \
-                    _mm256_storeu_ps(ag + 8 * j, _mm256_fmadd_ps(p, vv[j], _mm256_loadu_ps(ag + 8 * j)));     \
+    /* acc += p V, a run of tokens at a time (those of one cache block, at most PV_RUN), per KV head, per group of \
+     * <= 4 query heads and 8 CH dims: the accumulators stay in registers over the run (PV_BLOCK) */         \
+    const int64_t vstride = (int64_t)KVH * D;                                                                 \
+    for (int t = start; t < L;) {                                                                             \
+        const int o = t % BS, left = BS - o < L - t ? BS - o : L - t, run = left < PV_RUN ? left : PV_RUN;    \
+        const T* vrun = v_cache + (bt[t / BS] * BS + o) * vstride;                                            \
+        for (int kh = h0; kh < h1; ++kh)                                                                      \
+            for (int g0 = 0; g0 < G; g0 += 4) {                                                               \
+                const int gb = G - g0 < 4 ? G - g0 : 4, gh0 = (kh - h0) * G + g0;                             \
+                const float* sp = s + (int64_t)gh0 * ctx + (t - start);                                       \
+                float* ap = acc + gh0 * D;                                                                    \
+                const T* vp = vrun + (int64_t)kh * D;                                                         \
+                switch (gb) {                                                                                 \
+                    case 1: PV_BLOCK(T, LOADV, vp, vstride, run, sp, ctx, ap, D, ND, 1, 4); break;            \
+                    case 2: PV_BLOCK(T, LOADV, vp, vstride, run, sp, ctx, ap, D, ND, 2, 4); break;            \
+                    case 3: PV_BLOCK(T, LOADV, vp, vstride, run, sp, ctx, ap, D, ND, 3, 2); break;            \
+                    default: PV_BLOCK(T, LOADV, vp, vstride, run, sp, ctx, ap, D, ND, 4, 2);                  \
+                }                                                                                             \
             }                                                                                                 \
-        }                                                                                                     \
+        t += run;                                                                                             \
     }                                                                                                         \
     if (part) {                                                                                               \
         for (int gh = 0; gh < GH; ++gh)                                                                       \
