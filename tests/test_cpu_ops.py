@@ -375,3 +375,96 @@ def test_apply_token_bitmask_matches_the_bit_definition(vocab, n_rows):
     full[rows] = bm
     xgr.apply_token_bitmask_inplace(theirs, full, vocab_size=vocab, indices=rows.tolist())
     assert torch.equal(got, theirs)
+
+
+def _reference_draw(w64: torch.Tensor, u: float) -> tuple[int, float]:
+    """The inverse-CDF draw in float64 from weights ``w64 [V]``: (index, how far u S lies from the nearest boundary of
+    the cumulative sums, relative to S)."""
+    cum = w64.cumsum(0)
+    S = float(cum[-1])
+    target = u * S
+    i = int(torch.searchsorted(cum, torch.tensor([target], dtype=torch.float64), right=True))
+    return min(i, len(w64) - 1), float((cum - target).abs().min()) / S
+
+
+@pytest.mark.parametrize("level", ["avx512_bf16", "avx2"])
+@pytest.mark.parametrize("V", [1, 5, 8, 100, 8192, 8193, 20000, 262144])
+def test_sample_rows_is_the_float64_inverse_cdf(V, level):
+    """``sample_rows`` (inverse CDF, kernels/csrc/cpu_ops.c) against float64 on the same uniforms: logits at several
+    temperatures (weights exp((l - max) / T)) and truncated probabilities, rows spanning 1 to 32 of its 8,192-token
+    chunks. Equal to the float64 index wherever u S lies farther than 1e-5 S from a boundary of the running sums
+    (float32 weights move a boundary by ~1e-7 S); -inf logits and zero probabilities are never drawn, even at
+    u -> 1 and u = 0."""
+    import dataclasses
+
+    from pagedllm import kernels
+    from pagedllm.kernels.config import supported_levels
+
+    if level not in supported_levels():
+        pytest.skip(f"this CPU runs below {level}")
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(4, V, generator=g) * torch.tensor([[1.0], [3.0], [8.0], [0.5]])
+    banned = torch.rand(4, V, generator=g) < 0.3
+    banned[:, 0] = V > 1  # the first token banned (u = 0 must not land on it)
+    logits[banned] = float("-inf")
+    inv_t = torch.tensor([1.0, 1 / 0.7, 1 / 1.5, 4.0])
+    probs = torch.rand(4, V, generator=g) * (torch.rand(4, V, generator=g) < 0.2)
+    probs[:, -1] = 0.0
+    probs[:, V // 2] += 0.1  # at least one nonzero weight a row
+    us = [0.0, 1 - 2 ** -53, 0.5, *torch.rand(20, generator=g, dtype=torch.float64).tolist()]
+    with kernels.use(dataclasses.replace(kernels.config(), level=level)):
+        for u in us:
+            uu = torch.full((4,), u, dtype=torch.float64)
+            got_l = cpu_kernels.sample_rows(logits, inv_t, uu)
+            got_p = cpu_kernels.sample_rows(probs, None, uu)
+            assert got_l is not None and got_p is not None
+            for r in range(4):
+                x = logits[r].double() * float(inv_t[r])
+                w = torch.exp(x - x.max())
+                for got, weights in ((int(got_l[r]), w), (int(got_p[r]), probs[r].double())):
+                    assert weights[got] > 0, (u, r, got)
+                    ref, margin = _reference_draw(weights, u)
+                    if margin > 1e-5:
+                        assert got == ref, (u, r, got, ref, margin)
+
+
+def test_sample_rows_same_draw_alone_among_others_and_at_any_thread_count():
+    """A row's draw depends on its own logits and uniform only: alone, among 7 others (its row anywhere), at 1, 2
+    and 3 threads."""
+    g = torch.Generator().manual_seed(0)
+    V = 50000
+    logits = torch.randn(8, V, generator=g) * 4
+    inv_t = torch.rand(8, generator=g) + 0.5
+    u = torch.rand(8, generator=g, dtype=torch.float64)
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            together = cpu_kernels.sample_rows(logits, inv_t, u)
+            alone = torch.cat([cpu_kernels.sample_rows(logits[r:r + 1], inv_t[r:r + 1], u[r:r + 1]) for r in range(8)])
+            perm = torch.randperm(8, generator=g)
+            shuffled = cpu_kernels.sample_rows(logits[perm], inv_t[perm], u[perm])
+            assert torch.equal(together, alone) and torch.equal(shuffled, together[perm]), threads
+            runs.append(together)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, runs[0]) for r in runs)
+    assert len(set(runs[0].tolist())) > 4  # it really draws different tokens
+
+
+def test_inverse_cdf_torch_fallback_is_the_float64_inverse_cdf():
+    """The sampler's torch path (no C kernel): the same draws as float64, never a zero probability."""
+    from pagedllm.layers.sampler import _inverse_cdf
+
+    g = torch.Generator().manual_seed(1)
+    probs = torch.rand(3, 3000, generator=g) * (torch.rand(3, 3000, generator=g) < 0.1)
+    probs[:, 0] = probs[:, -1] = 0.0
+    probs[:, 1500] += 0.2
+    for u in [0.0, 1 - 2 ** -53, *torch.rand(30, generator=g, dtype=torch.float64).tolist()]:
+        got = _inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64))
+        for r in range(3):
+            assert probs[r, int(got[r])] > 0, (u, r)
+            ref, margin = _reference_draw(probs[r].double(), u)
+            if margin > 1e-9:
+                assert int(got[r]) == ref, (u, r)

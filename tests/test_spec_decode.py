@@ -127,17 +127,23 @@ def test_verification_preserves_target_distribution_chi_square():
 
 
 def test_generator_rewind_leaves_the_stream_of_a_plain_decode():
+    """After a verify step sampled 4 rows of a seeded request (3 drafts) and kept 2 output tokens, its generator
+    stands where a plain decode of those 2 tokens left it: the sampler's own draws (one row each) are replayed."""
     V = 50
     gen_a = torch.Generator().manual_seed(7)
     gen_b = torch.Generator().manual_seed(7)
     sp = SamplingParams(temperature=1.0, seed=7)
     st = SamplerRequestState(sp, [1], [2], gen_b, set())
     rw = GeneratorRewind([st], [[1, 2, 3]])
+    logits = torch.randn(1, V)
+    md = SamplingMetadata.build([st], V, torch.device("cpu"))
     for _ in range(4):  # the sampler draws once per row
-        torch.rand(V, generator=gen_b)
-    rw.advance([[1, 2]], V)  # 2 output tokens
+        Sampler()(logits, md)
+    rw.advance([[1, 2]])  # 2 output tokens
+    plain = SamplerRequestState(sp, [1], [2], gen_a, set())
+    md_a = SamplingMetadata.build([plain], V, torch.device("cpu"))
     for _ in range(2):
-        torch.rand(V, generator=gen_a)
+        Sampler()(logits, md_a)
     assert torch.equal(torch.rand(V, generator=gen_a), torch.rand(V, generator=gen_b))
 
 

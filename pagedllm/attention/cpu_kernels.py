@@ -180,6 +180,28 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sample_rows(x: torch.Tensor, inv_temperature: Optional[torch.Tensor], u: torch.Tensor) -> Optional[torch.Tensor]:
+    """Inverse-CDF draws, one per row (``sample_rows_f32`` in kernels/csrc/cpu_ops.c): ``[R]`` int64, the first
+    index where the running sum of the row's weights passes ``u`` times their total.
+
+    ``x [R, V]`` float32 (unit stride along V): logits, weighted ``exp((x - max) * inv_temperature[r])`` when
+    ``inv_temperature [R]`` is given (a softmax at that temperature; -inf logits never drawn), else nonnegative
+    weights (truncated probabilities; zeros never drawn). ``u [R]``: uniforms in [0, 1) (float64). A row's draw
+    depends only on its own ``x`` and ``u``, not on the other rows or the thread count. None where the C kernel
+    can't run (the caller falls back to torch)."""
+    lib = get_lib()
+    if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1
+            or x.device.type != "cpu"):
+        return None
+    R, V = x.shape
+    out = torch.empty(R, dtype=torch.int64)
+    u = u.to(torch.float64).contiguous()
+    t = None if inv_temperature is None else inv_temperature.to(torch.float32).contiguous()
+    lib.sample_rows_f32(x.data_ptr(), R, V, x.stride(0), None if t is None else t.data_ptr(), u.data_ptr(),
+                        0 if t is not None else 1, out.data_ptr())
+    return out
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> bool:
     """``logits[rows[i], t] = -inf`` where bit ``t`` of ``bitmask[i]`` is 0, in place (xgrammar's int32 token
     bitmask ``[len(rows), ceil(V / 32)]``; logits ``[N, V]`` float32 contiguous, ``rows`` int64). One C pass (xgrammar's

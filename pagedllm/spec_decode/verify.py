@@ -15,8 +15,8 @@ sample ``t ~ p`` satisfies ``P(t = d) = p(d)`` and, given ``t != d``, is distrib
 for one-hot drafts, and for greedy rows (``t = argmax p``) it is greedy decoding itself. Every output token is thus
 distributed as the target's at its position (tested with a chi-square bound in tests/test_spec_decode.py).
 
-Seeds: a seeded row draws ``V`` uniforms from its request's generator per sampled row (``Sampler``'s exponential
-race), and a plain decode draws once per output token. After verification the generator is put back to where it
+Seeds: a seeded row draws one uniform from its request's generator per sampled row (``sampler.draw_uniform``: its
+inverse-CDF draw), and a plain decode draws once per output token. After verification the generator is put back to where it
 was and advanced once per *output* token (``GeneratorRewind``), so a seeded request's stream, and thus its output,
 is the same with and without speculation, whatever shares its batch.
 """
@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pagedllm.layers.sampler import SamplerRequestState
+from pagedllm.layers.sampler import SamplerRequestState, draw_uniform
 from pagedllm.sampling_params import SAMPLING_EPS
 
 
@@ -94,10 +94,10 @@ class GeneratorRewind:
             if d and st.generator is not None and st.sampling_params.temperature >= SAMPLING_EPS:
                 self.saved.append((i, st.generator, st.generator.get_state()))
 
-    def advance(self, outputs: Sequence[Sequence[int]], vocab_size: int) -> None:
-        """Resets each saved generator and draws ``V`` uniforms per output token of its request."""
+    def advance(self, outputs: Sequence[Sequence[int]]) -> None:
+        """Resets each saved generator and draws the sampler's one uniform per output token of its request."""
         for i, gen, state in self.saved:
             gen.set_state(state)
             for _ in range(len(outputs[i])):
-                torch.rand(vocab_size, generator=gen, device=gen.device)
+                draw_uniform(gen)
 

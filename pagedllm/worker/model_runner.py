@@ -372,7 +372,7 @@ class ModelRunner:
             else:
                 outputs, first_row = accept(sampled, drafts)
                 if rewind.saved:
-                    rewind.advance(outputs, logits.shape[-1])
+                    rewind.advance(outputs)
             for j, toks in enumerate(outputs):
                 i = sample_rows[j]
                 if unsampled and req_ids[i] in unsampled:

@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <omp.h>
 
 #include "bf16.h"
@@ -412,6 +413,130 @@ static inline int64_t argmax_merge_lanes(const float *vals, const int32_t *idx, 
 
 DEFINE_ARGMAX(argmax_rows_f32, float, f32_id, f32)
 DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, bf16_to_f32, bf16)
+
+/* Random sampling by inverse CDF: out[r] = the first i with w_0 + ... + w_i > u[r] * (w_0 + ... + w_{V-1}), so i
+ * is drawn with probability w_i / sum(w) from one uniform u[r] in [0, 1) per row (not one random number per token:
+ * an exponential race over Gemma 3's 262,144 tokens drew, logged and divided 262,144 of them, ~1.8 ms a row).
+ *   x [R, V] float32 (rows ld apart); mode 0: x are logits and w_i = exp((x_i - max x) inv_t[r]) (a softmax at
+ *   temperature 1 / inv_t[r], unnormalized); w_i = 0 where (x_i - max x) inv_t[r] < -87 (exp8's floor: -inf logits,
+ *   i.e. banned tokens, get exactly 0); mode 1: x are weights (truncated probabilities), w_i = x_i where x_i > 0,
+ *   else 0 (inv_t unused, may be NULL). u [R] float64; out [R] int64 (0 where every w_i is 0).
+ * Each row is cut into SAMPLE_CHUNK-token chunks, independent of the threads: per chunk (in parallel) its max m_c
+ * and s_c = sum of exp((x - m_c) inv_t) (8 float32 lanes, then the lanes in order), then per row (in double, in
+ * chunk order) S = sum s_c exp((m_c - M) inv_t), the chunk where the running sum passes u S, and a sequential
+ * scan of that chunk alone. Every sum has a fixed order, so a row's draw is the same bits whatever shares the call
+ * and however many threads run it. Where rounding leaves the scan short of its target, the chunk's last token of
+ * nonzero weight is taken. */
+#define SAMPLE_CHUNK 8192
+
+/* w [n] = chunk weights of x [n] (mode 0: from max m; mode 1: x itself, negatives and NaN as 0); n <= SAMPLE_CHUNK. */
+static void sample_weights(const float *x, int64_t n, float m, float inv_t, int mode, float *w) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t), z = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (mode == 0) {
+            const __m256 d = _mm256_mul_ps(_mm256_sub_ps(v, vm), vt);
+            _mm256_storeu_ps(w + i, _mm256_and_ps(exp8(d), _mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_GE_OQ)));
+        } else {
+            _mm256_storeu_ps(w + i, _mm256_and_ps(v, _mm256_cmp_ps(v, z, _CMP_GT_OQ)));
+        }
+    }
+#endif
+    for (; i < n; ++i) {
+        if (mode == 0) {
+            const float d = (x[i] - m) * inv_t;
+            w[i] = d >= -87.0f ? expf(d) : 0.0f;
+        } else {
+            w[i] = x[i] > 0.0f ? x[i] : 0.0f;
+        }
+    }
+}
+
+/* The max of x [n] (-inf if every x_i is -inf or NaN). */
+static float sample_chunk_max(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(_mm256_loadu_ps(x + i), vm); /* a NaN x loses (second operand) */
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vm);
+    for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+#endif
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const float *inv_t, const double *u, int mode,
+                     int64_t *out) {
+    const int64_t nc = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    float *cm = (float *)malloc(sizeof(float) * (size_t)(R * nc));
+    double *cs = (double *)malloc(sizeof(double) * (size_t)(R * nc));
+#pragma omp parallel if (R * V >= 1 << 16)
+    {
+        float *w = (float *)malloc(sizeof(float) * SAMPLE_CHUNK);
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < R * nc; ++k) {
+            const int64_t r = k / nc, c0 = (k % nc) * SAMPLE_CHUNK, n = V - c0 < SAMPLE_CHUNK ? V - c0 : SAMPLE_CHUNK;
+            const float *xc = x + r * ld + c0;
+            const float m = mode == 0 ? sample_chunk_max(xc, n) : 0.0f;
+            double sum = 0.0;
+            if (m != -INFINITY) {
+                sample_weights(xc, n, m, mode == 0 ? inv_t[r] : 1.0f, mode, w);
+                int64_t i = 0;
+                float lanes[8] = {0};
+                for (; i + 8 <= n; i += 8)
+                    for (int l = 0; l < 8; ++l) lanes[l] += w[i + l];
+                for (; i < n; ++i) lanes[i % 8] += w[i];
+                for (int l = 0; l < 8; ++l) sum += lanes[l];
+            }
+            cm[k] = m;
+            cs[k] = sum;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; ++r) {
+            const float *cmr = cm + r * nc;
+            const double *csr = cs + r * nc;
+            const double t = mode == 0 ? (double)inv_t[r] : 1.0;
+            float M = -INFINITY;
+            for (int64_t c = 0; c < nc; ++c) M = cmr[c] > M ? cmr[c] : M;
+            double S = 0.0;
+            for (int64_t c = 0; c < nc; ++c)
+                if (csr[c] > 0.0) S += csr[c] * (mode == 0 ? exp(((double)cmr[c] - M) * t) : 1.0);
+            int64_t pick = 0;
+            if (S > 0.0) {
+                const double target = u[r] * S;
+                double before = 0.0;
+                int64_t c = 0, last = -1;
+                for (; c < nc; ++c) {
+                    if (!(csr[c] > 0.0)) continue;
+                    const double f = mode == 0 ? exp(((double)cmr[c] - M) * t) : 1.0, mass = csr[c] * f;
+                    last = c;
+                    if (before + mass > target) break;
+                    before += mass;
+                }
+                if (c == nc) c = last; /* rounding: the target at or past the total */
+                const double f = mode == 0 ? exp(((double)cmr[c] - M) * t) : 1.0, local = (target - before) / f;
+                const int64_t c0 = c * SAMPLE_CHUNK, n = V - c0 < SAMPLE_CHUNK ? V - c0 : SAMPLE_CHUNK;
+                sample_weights(x + r * ld + c0, n, cmr[c], (float)t, mode, w);
+                double acc = 0.0;
+                int64_t i = 0, nz = 0;
+                for (; i < n; ++i) {
+                    if (w[i] > 0.0f) nz = i;
+                    acc += w[i];
+                    if (w[i] > 0.0f && acc > local) break;
+                }
+                pick = c0 + (i < n ? i : nz);
+            }
+            out[r] = pick;
+        }
+        free(w);
+    }
+    free(cm);
+    free(cs);
+}
 
 /* Rotary embedding (NeoX "rotate half" form, as HF's apply_rotary_pos_emb) on q and k of every token, in place, then
  * K and V written into the paged cache at their slots.
