@@ -387,14 +387,39 @@ def _reference_draw(w64: torch.Tensor, u: float) -> tuple[int, float]:
     return min(i, len(w64) - 1), float((cum - target).abs().min()) / S
 
 
+def _reference_kept(logits: torch.Tensor, inv_t: float, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
+    """float64 weights ``[V]`` of one row after the sampler's truncations (0 = dropped): exp((l - max) inv_t), then
+    min_p (w < min_p max w), top_k (w < the k-th largest), top_p (the smallest descending prefix whose mass reaches
+    top_p of what is left; with top_k, of its k largest)."""
+    d = (logits.double() - logits.double().max()) * inv_t
+    w = torch.where(d >= -87, torch.exp(d), torch.zeros_like(d))
+    w[w < min_p] = 0.0
+    s = w.sort(descending=True).values
+    mass = float(w.sum())
+    if top_k > 0:
+        k = min(top_k, len(w))
+        w[w < s[k - 1]] = 0.0
+        mass = float(s[:k].sum())
+    if top_p < 1.0:
+        cum = s.cumsum(0)
+        kept = 1 + int((cum[:-1] < top_p * mass).sum())
+        w[w < s[kept - 1]] = 0.0
+    return w
+
+
+# (inv_t, min_p, top_k, top_p) per row: temperature alone, and each truncation alone and together
+SAMPLE_ROWS = [(1.0, 0.0, 0, 1.0), (1 / 0.7, 0.0, 0, 0.9), (1 / 1.3, 0.05, 0, 1.0), (1.0, 0.0, 40, 1.0),
+               (2.0, 0.0, 64, 0.95), (1 / 1.5, 0.02, 20, 0.8), (1.0, 0.0, 3, 1.0), (0.5, 0.0, 0, 0.999)]
+
+
 @pytest.mark.parametrize("level", ["avx512_bf16", "avx2"])
-@pytest.mark.parametrize("V", [1, 5, 8, 100, 8192, 8193, 20000, 262144])
-def test_sample_rows_is_the_float64_inverse_cdf(V, level):
-    """``sample_rows`` (inverse CDF, kernels/csrc/cpu_ops.c) against float64 on the same uniforms: logits at several
-    temperatures (weights exp((l - max) / T)) and truncated probabilities, rows spanning 1 to 32 of its 8,192-token
-    chunks. Equal to the float64 index wherever u S lies farther than 1e-5 S from a boundary of the running sums
-    (float32 weights move a boundary by ~1e-7 S); -inf logits and zero probabilities are never drawn, even at
-    u -> 1 and u = 0."""
+@pytest.mark.parametrize("V", [1, 5, 100, 8192, 8193, 50000, 262144])
+def test_sample_rows_is_the_float64_truncated_inverse_cdf(V, level):
+    """``sample_rows`` (kernels/csrc/cpu_ops.c) against float64 on the same uniforms, for rows of temperature alone
+    and with min_p / top_k / top_p alone and together, over 1 to 32 of its 8,192-token chunks: the draw is the
+    float64 one wherever u S lies farther than 1e-5 S from a boundary of the kept tokens' running sums, and always a
+    kept token (-inf logits and truncated tokens never drawn, even at u = 0 and u -> 1). The logits: a peaked head
+    (a real model's) on a wide tail, so a nucleus holds tens of tokens, or (x 0.1) thousands."""
     import dataclasses
 
     from pagedllm import kernels
@@ -403,48 +428,49 @@ def test_sample_rows_is_the_float64_inverse_cdf(V, level):
     if level not in supported_levels():
         pytest.skip(f"this CPU runs below {level}")
     g = torch.Generator().manual_seed(V)
-    logits = torch.randn(4, V, generator=g) * torch.tensor([[1.0], [3.0], [8.0], [0.5]])
-    banned = torch.rand(4, V, generator=g) < 0.3
+    R = len(SAMPLE_ROWS)
+    logits = torch.randn(R, V, generator=g) * 2
+    head = min(V, 30)
+    logits[:, :head] += torch.linspace(12, 4, head)
+    logits = logits[:, torch.randperm(V, generator=g)]  # the head anywhere in the row
+    logits[1::2] *= 0.1  # every other row flat: wide nuclei
+    banned = torch.rand(R, V, generator=g) < 0.2
     banned[:, 0] = V > 1  # the first token banned (u = 0 must not land on it)
     logits[banned] = float("-inf")
-    inv_t = torch.tensor([1.0, 1 / 0.7, 1 / 1.5, 4.0])
-    probs = torch.rand(4, V, generator=g) * (torch.rand(4, V, generator=g) < 0.2)
-    probs[:, -1] = 0.0
-    probs[:, V // 2] += 0.1  # at least one nonzero weight a row
-    us = [0.0, 1 - 2 ** -53, 0.5, *torch.rand(20, generator=g, dtype=torch.float64).tolist()]
+    inv_t, min_p, top_k, top_p = (torch.tensor(c) for c in zip(*SAMPLE_ROWS))
+    kept = [_reference_kept(logits[r], *SAMPLE_ROWS[r]) for r in range(R)]
+    us = [0.0, 1 - 2 ** -53, 0.5, *torch.rand(12, generator=g, dtype=torch.float64).tolist()]
     with kernels.use(dataclasses.replace(kernels.config(), level=level)):
         for u in us:
-            uu = torch.full((4,), u, dtype=torch.float64)
-            got_l = cpu_kernels.sample_rows(logits, inv_t, uu)
-            got_p = cpu_kernels.sample_rows(probs, None, uu)
-            assert got_l is not None and got_p is not None
-            for r in range(4):
-                x = logits[r].double() * float(inv_t[r])
-                w = torch.exp(x - x.max())
-                for got, weights in ((int(got_l[r]), w), (int(got_p[r]), probs[r].double())):
-                    assert weights[got] > 0, (u, r, got)
-                    ref, margin = _reference_draw(weights, u)
-                    if margin > 1e-5:
-                        assert got == ref, (u, r, got, ref, margin)
+            got = cpu_kernels.sample_rows(logits, inv_t, torch.full((R,), u, dtype=torch.float64), min_p, top_k,
+                                          top_p)
+            assert got is not None
+            for r in range(R):
+                assert kept[r][int(got[r])] > 0, (u, r, int(got[r]))
+                ref, margin = _reference_draw(kept[r], u)
+                if margin > 1e-5:
+                    assert int(got[r]) == ref, (u, r, int(got[r]), ref, margin)
 
 
 def test_sample_rows_same_draw_alone_among_others_and_at_any_thread_count():
-    """A row's draw depends on its own logits and uniform only: alone, among 7 others (its row anywhere), at 1, 2
-    and 3 threads."""
+    """A row's draw depends on its own logits and uniform only: alone, among the others (its row anywhere), at 1, 2
+    and 3 threads, with and without truncation."""
     g = torch.Generator().manual_seed(0)
-    V = 50000
-    logits = torch.randn(8, V, generator=g) * 4
-    inv_t = torch.rand(8, generator=g) + 0.5
-    u = torch.rand(8, generator=g, dtype=torch.float64)
+    V, R = 50000, len(SAMPLE_ROWS)
+    logits = torch.randn(R, V, generator=g) * 4
+    inv_t, min_p, top_k, top_p = (torch.tensor(c) for c in zip(*SAMPLE_ROWS))
+    u = torch.rand(R, generator=g, dtype=torch.float64)
     before = torch.get_num_threads()
     try:
         runs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            together = cpu_kernels.sample_rows(logits, inv_t, u)
-            alone = torch.cat([cpu_kernels.sample_rows(logits[r:r + 1], inv_t[r:r + 1], u[r:r + 1]) for r in range(8)])
-            perm = torch.randperm(8, generator=g)
-            shuffled = cpu_kernels.sample_rows(logits[perm], inv_t[perm], u[perm])
+            together = cpu_kernels.sample_rows(logits, inv_t, u, min_p, top_k, top_p)
+            alone = torch.cat([cpu_kernels.sample_rows(logits[r:r + 1], inv_t[r:r + 1], u[r:r + 1], min_p[r:r + 1],
+                                                       top_k[r:r + 1], top_p[r:r + 1]) for r in range(R)])
+            perm = torch.randperm(R, generator=g)
+            shuffled = cpu_kernels.sample_rows(logits[perm], inv_t[perm], u[perm], min_p[perm], top_k[perm],
+                                               top_p[perm])
             assert torch.equal(together, alone) and torch.equal(shuffled, together[perm]), threads
             runs.append(together)
     finally:

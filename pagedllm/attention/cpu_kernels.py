@@ -180,25 +180,33 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_rows(x: torch.Tensor, inv_temperature: Optional[torch.Tensor], u: torch.Tensor) -> Optional[torch.Tensor]:
-    """Inverse-CDF draws, one per row (``sample_rows_f32`` in kernels/csrc/cpu_ops.c): ``[R]`` int64, the first
-    index where the running sum of the row's weights passes ``u`` times their total.
+def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor,
+                min_p: Optional[torch.Tensor] = None, top_k: Optional[torch.Tensor] = None,
+                top_p: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Inverse-CDF draws, one per row, truncation included (``sample_rows_f32`` in kernels/csrc/cpu_ops.c): ``[R]``
+    int64, the first kept token (in index order) where the running sum of kept weights passes ``u`` times their
+    total.
 
-    ``x [R, V]`` float32 (unit stride along V): logits, weighted ``exp((x - max) * inv_temperature[r])`` when
-    ``inv_temperature [R]`` is given (a softmax at that temperature; -inf logits never drawn), else nonnegative
-    weights (truncated probabilities; zeros never drawn). ``u [R]``: uniforms in [0, 1) (float64). A row's draw
-    depends only on its own ``x`` and ``u``, not on the other rows or the thread count. None where the C kernel
-    can't run (the caller falls back to torch)."""
+    ``logits [R, V]`` float32 (unit stride along V), weighted ``exp((x - max) * inv_temperature[r])`` (a softmax at
+    that temperature; -inf logits never drawn). Optional ``[R]`` truncations (vLLM's order, the sampler's semantics):
+    ``min_p`` (drop ``p < min_p * max p``; 0 = off), ``top_k`` (keep ``p >=`` the k-th largest; 0 = off), ``top_p``
+    (then the smallest prefix by descending ``p`` whose mass reaches ``top_p`` of what is left; 1 = off). ``u [R]``:
+    uniforms in [0, 1) (float64). A row's draw depends only on its own row and ``u``, not on the other rows or the
+    thread count. None where the C kernel can't run (the caller falls back to torch)."""
     lib = get_lib()
-    if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1
-            or x.device.type != "cpu"):
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0
+            or logits.stride(1) != 1 or logits.device.type != "cpu"):
         return None
-    R, V = x.shape
+    R, V = logits.shape
     out = torch.empty(R, dtype=torch.int64)
     u = u.to(torch.float64).contiguous()
-    t = None if inv_temperature is None else inv_temperature.to(torch.float32).contiguous()
-    lib.sample_rows_f32(x.data_ptr(), R, V, x.stride(0), None if t is None else t.data_ptr(), u.data_ptr(),
-                        0 if t is not None else 1, out.data_ptr())
+    t = inv_temperature.to(torch.float32).contiguous()
+    mp = None if min_p is None else min_p.to(torch.float32).contiguous()
+    tk = None if top_k is None else top_k.to(torch.int64).contiguous()
+    tp = None if top_p is None else top_p.to(torch.float32).contiguous()
+    lib.sample_rows_f32(logits.data_ptr(), R, V, logits.stride(0), t.data_ptr(),
+                        None if mp is None else mp.data_ptr(), None if tk is None else tk.data_ptr(),
+                        None if tp is None else tp.data_ptr(), u.data_ptr(), out.data_ptr())
     return out
 
 
