@@ -589,10 +589,11 @@ static void sample_gather(const float *x, int64_t m, int64_t c0, float M, float 
 
 void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const float *inv_t, const float *min_p,
                      const int64_t *top_k, const float *top_p, const double *u, int64_t *out) {
-    const int64_t nc = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, NS = 1 + SAMPLE_NTH;
+    const int64_t nc = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, NT = SAMPLE_NTH, ALL = SAMPLE_NTH - 1;
     float *cm = (float *)malloc(sizeof(float) * (size_t)(R * nc)), *rm = (float *)malloc(sizeof(float) * (size_t)R);
-    double *cs = (double *)malloc(sizeof(double) * (size_t)(R * nc * NS)); /* [r][c]: the sum, then per threshold */
-    int64_t *cn = (int64_t *)malloc(sizeof(int64_t) * (size_t)(R * nc * SAMPLE_NTH));
+    /* [r][c][j]: the sum and count above threshold j; the last's (ALL) are every w's */
+    double *cs = (double *)malloc(sizeof(double) * (size_t)(R * nc * NT));
+    int64_t *cn = (int64_t *)malloc(sizeof(int64_t) * (size_t)(R * nc * NT));
 #define SAMPLE_TRUNC(r) ((top_k && top_k[r] > 0) || (top_p && top_p[r] < 1.0f))
 #define SAMPLE_FLOOR(r) (min_p && min_p[r] > 0.0f ? min_p[r] : 0.0f)
 #pragma omp parallel if (R * V >= 1 << 16)
@@ -612,20 +613,20 @@ void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const flo
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < R * nc; ++k) {
             const int64_t r = k / nc, c0 = (k % nc) * SAMPLE_CHUNK, n = V - c0 < SAMPLE_CHUNK ? V - c0 : SAMPLE_CHUNK;
-            double *sk = cs + k * NS;
-            for (int64_t j = 0; j < NS; ++j) sk[j] = 0.0;
-            for (int j = 0; j < SAMPLE_NTH; ++j) cn[k * SAMPLE_NTH + j] = 0;
+            for (int64_t j = 0; j < NT; ++j) {
+                cs[k * NT + j] = 0.0;
+                cn[k * NT + j] = 0;
+            }
             if (rm[r] == -INFINITY) continue;
             sample_weights(x + r * ld + c0, n, rm[r], inv_t[r], SAMPLE_FLOOR(r), w, d);
-            sample_stats(w, d, n, SAMPLE_TRUNC(r) ? SAMPLE_NTH : 1, sk + 1, cn + k * SAMPLE_NTH);
-            sk[0] = sk[SAMPLE_NTH]; /* the last threshold's sum: all of w */
+            sample_stats(w, d, n, SAMPLE_TRUNC(r) ? SAMPLE_NTH : 1, cs + k * NT, cn + k * NT);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; ++r) {
             const float *xr = x + r * ld, M = rm[r], t = inv_t[r], fl = SAMPLE_FLOOR(r);
-            const double *csr = cs + r * nc * NS;
+            const double *csr = cs + r * nc * NT;
             double S = 0.0;
-            for (int64_t c = 0; c < nc; ++c) S += csr[c * NS];
+            for (int64_t c = 0; c < nc; ++c) S += csr[c * NT + ALL];
             out[r] = 0;
             if (!(S > 0.0)) continue;
             if (!SAMPLE_TRUNC(r)) { /* the chunk where the running sum passes u S, then that chunk alone */
@@ -633,10 +634,10 @@ void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const flo
                 double before = 0.0;
                 int64_t c = 0, last = -1;
                 for (; c < nc; ++c) {
-                    if (!(csr[c * NS] > 0.0)) continue;
+                    if (!(csr[c * NT + ALL] > 0.0)) continue;
                     last = c;
-                    if (before + csr[c * NS] > target) break;
-                    before += csr[c * NS];
+                    if (before + csr[c * NT + ALL] > target) break;
+                    before += csr[c * NT + ALL];
                 }
                 if (c == nc) c = last; /* rounding: the target at or past the total */
                 const int64_t c0 = c * SAMPLE_CHUNK, n = V - c0 < SAMPLE_CHUNK ? V - c0 : SAMPLE_CHUNK;
@@ -655,20 +656,20 @@ void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const flo
             const double p = top_p && top_p[r] < 1.0f ? (double)top_p[r] : 1.0;
             int j = 0; /* the tightest threshold holding the top k tokens (or top_p of the mass) */
             int64_t cnt = 0;
-            for (; j < SAMPLE_NTH; ++j) {
+            for (; j < NT; ++j) {
                 double mass = 0.0;
                 cnt = 0;
                 for (int64_t c = 0; c < nc; ++c) {
-                    mass += csr[c * NS + 1 + j];
-                    cnt += cn[(r * nc + c) * SAMPLE_NTH + j];
+                    mass += csr[c * NT + j];
+                    cnt += cn[(r * nc + c) * NT + j];
                 }
-                if (j == SAMPLE_NTH - 1 || (cnt > 0 && (k ? cnt >= k : mass >= p * S))) break;
+                if (j == ALL || (cnt > 0 && (k ? cnt >= k : mass >= p * S))) break;
             }
             sample_cand_t *cand = (sample_cand_t *)malloc(sizeof(sample_cand_t) * (size_t)(2 * cnt + 1));
             sample_cand_t *sorted = cand + cnt;
             int64_t n = 0;
             for (int64_t c = 0; c < nc; ++c) {
-                if (cn[(r * nc + c) * SAMPLE_NTH + j] == 0) continue;
+                if (cn[(r * nc + c) * NT + j] == 0) continue;
                 const int64_t c0 = c * SAMPLE_CHUNK, m = V - c0 < SAMPLE_CHUNK ? V - c0 : SAMPLE_CHUNK;
                 sample_gather(xr + c0, m, c0, M, t, fl, sample_log_th[j], cand, &n, cnt);
             }
