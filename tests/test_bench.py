@@ -554,10 +554,24 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
     assert C.P.hf_export_name(ns.gguf) == "qwen-hf-bf16"
     started, benches = _fake_servers_and_benches(monkeypatch,
                                                  lambda gguf=None: "/x/qwen-hf" if gguf == ns.gguf else None)
+    envs = []
+    start = C.P.start_server
+    monkeypatch.setattr(C.P, "start_server", lambda name, cmd, *a, **k: envs.append((cmd, k.get("env"))) or
+                        start(name, cmd, *a, **k))
+    monkeypatch.setattr(C, "reset_prefix_cache", lambda url: benches.append(("reset", url, [])) or True)
     runs = []
     C.run_serving(ns, str(tmp_path), runs, {}, structured=True, serve=True)
     ours, vllm, llama = (next(c for c in started if k in " ".join(c)) for k in ("pagedllm", "/x/vllm", "llama"))
     assert "/models/qwen.gguf" in ours and "/x/qwen-hf" in vllm and "/models/qwen.gguf" in llama
+    # the servers that run structured pairs expose /reset_prefix_cache, and each run of a pair starts from an empty
+    # cache (else the unconstrained run would find the constrained run's prompts cached)
+    assert "--server-dev-mode" in ours and "--server-dev-mode" not in llama
+    assert next(e for c, e in envs if c is vllm)["VLLM_SERVER_DEV_MODE"] == "1"
+    for i, (s, e, _) in enumerate(benches):
+        if s in ("structured", "unconstrained", "structured-single", "unconstrained-single"):
+            assert benches[i - 1][0] == "reset", (s, e)
+    assert sum(b[0] == "reset" for b in benches) == 8  # 2 engines x (burst, single) x (constrained, not)
+    benches[:] = [b for b in benches if b[0] != "reset"]
     sections = {(s, e) for s, e, _ in benches}
     assert {("structured", "pagedllm"), ("unconstrained", "pagedllm"), ("structured", "vllm"),
             ("unconstrained", "vllm")} <= sections
@@ -568,6 +582,36 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
             assert cmd[cmd.index("--structured-output-ratio") + 1] == "1" and "--fresh-schemas" in cmd
         if s == "unconstrained":  # the same requests at the lengths the constrained run's answers took
             assert cmd[cmd.index("--output-lens-from") + 1].endswith(f"structured-{e}.json") and "--ignore-eos" in cmd
+
+
+def test_reset_prefix_cache_posts_and_reports_failure():
+    """``reset_prefix_cache`` POSTs ``/reset_prefix_cache`` and says whether the server took it (2xx), False for an
+    error status or a server that isn't there."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.path)
+            self.send_response(200 if self.path == "/reset_prefix_cache" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        assert C.reset_prefix_cache(url + "/") is True and seen == ["/reset_prefix_cache"]
+        assert C.reset_prefix_cache(url + "/v1") is False  # 404
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert C.reset_prefix_cache(url, timeout_s=2.0) is False  # nothing listens there any more
 
 
 def test_compare_render_only(tmp_path, capsys):

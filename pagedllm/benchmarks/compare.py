@@ -17,7 +17,8 @@ Sections (each bounded by a timeout; a peer that is missing or fails is reported
    miss), then the same requests unconstrained: the valid-output rate, the cost of constraining (decode speed,
    1/TPOT, constrained over unconstrained; the unconstrained run is forced to the lengths the constrained answers
    took, so both decode the same tokens) and what a new schema adds to its own TTFT (against the same request
-   unconstrained).
+   unconstrained). Each of the two runs starts from an empty prefix cache (``POST /reset_prefix_cache``: the servers
+   run with ``--server-dev-mode`` / ``VLLM_SERVER_DEV_MODE=1``).
 4. ``engine`` — ours only: ``bench latency`` at batch 1 and 32 (decode step time) and ``bench floor`` (the bare
    matmul time of one decode step at the same batch sizes).
 
@@ -330,19 +331,21 @@ def _missing_peer(ns, name: str) -> str:
 
 def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, ...],
            runs: list[Run], extra: tuple[str, ...] = (), tag: str = "",
-           llama_parallel: Optional[int] = None) -> Optional[P.ServerProcess]:
+           llama_parallel: Optional[int] = None, dev_mode: bool = False) -> Optional[P.ServerProcess]:
     """Starts ``eng``'s server on a free port (None, with a Run per section saying why, if it can't).
 
     ``extra``: more server flags (appended); ``tag``: names this server among several of ``eng`` (its key in
     ``server_cmds`` is ``eng:tag``, its log ``server-eng-tag.log``); ``llama_parallel``: llama-server's slots
-    (default: enough for ``--serve-concurrency``)."""
+    (default: enough for ``--serve-concurrency``); ``dev_mode``: ours and vLLM with their ``POST
+    /reset_prefix_cache`` (``--server-dev-mode``, ``VLLM_SERVER_DEV_MODE=1``; see ``_structured_pair``)."""
     from pagedllm.model_files import default_model_path
 
     port = P.free_port()
     env = None
     env_note: dict = {}
     if eng.startswith("pagedllm"):
-        cmd = P.ours_server_cmd(port, model=_gguf(ns), extra=OURS_FLAGS[eng])
+        cmd = P.ours_server_cmd(port, model=_gguf(ns), extra=OURS_FLAGS[eng] + (["--server-dev-mode"] if dev_mode
+                                                                                else []))
     elif eng == "vllm":
         folder = P.hf_export_dir(_gguf(ns))
         if P.vllm_bin() is None or folder is None:
@@ -350,8 +353,10 @@ def _start(ns, eng: str, out_dir: str, server_cmds: dict, sections: tuple[str, .
             return None
         cmd = P.vllm_server_cmd(port, folder)
         env = P.vllm_env()
-        env_note = {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
-                    if k in env}
+        if dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        env_note = {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD",
+                                        "VLLM_SERVER_DEV_MODE") if k in env}
     else:
         if P.llama_server_bin() is None:
             runs.extend(Run(s, eng, "", error=_missing_peer(ns, "llama.cpp")) for s in sections)
@@ -404,7 +409,7 @@ def run_serving(ns, out_dir: str, runs: list[Run], server_cmds: dict, structured
         sections = ((("serve", "single") if serve else ())
                     + (("structured", "unconstrained", "structured-single", "unconstrained-single")
                        if do_structured else ()))
-        srv = _start(ns, eng, out_dir, server_cmds, sections, runs)
+        srv = _start(ns, eng, out_dir, server_cmds, sections, runs, dev_mode=do_structured)
         if srv is None:
             continue
         try:
@@ -427,11 +432,33 @@ def _structured_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: 
         _structured_pair(ns, eng, server, out_dir, runs, suffix, num_prompts, concurrency)
 
 
+def reset_prefix_cache(base_url: str, timeout_s: float = 30.0) -> bool:
+    """``POST {base_url}/reset_prefix_cache`` (ours with ``--server-dev-mode``, vLLM with ``VLLM_SERVER_DEV_MODE=1``);
+    whether the server answered 2xx."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(base_url.rstrip("/") + "/reset_prefix_cache", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return 200 <= r.status < 300
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _structured_pair(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run], suffix: str,
                      num_prompts: int, concurrency: int) -> None:
+    """Both runs start from an empty prefix cache: the unconstrained run sends the constrained run's prompts again
+    (same seed), and with the cache the constrained run left it would prefill only their last tokens. On a Zen 3
+    (SmolLM2 bf16, 16 clients) that bias made the opening burst's TTFT ~380 ms unconstrained against ~900 ms
+    constrained and put 518 ms on the "new schema" row; with both runs cold the row read -157 ms (host noise: the
+    burst took ~1.07 s constrained, ~1.29 s unconstrained)."""
     constrained = os.path.join(out_dir, f"structured{suffix}-{eng}.json")
     for section, ratio in ((f"structured{suffix}", "1"), (f"unconstrained{suffix}", "0")):
         out = os.path.join(out_dir, f"{section}-{eng}.json")
+        if not reset_prefix_cache(server.base_url):
+            print(f"[compare]   {section}/{eng}: could not reset the server's prefix cache; the two runs' TTFTs "
+                  f"are not comparable", flush=True)
         first = section.startswith("structured")
         lengths = (["--fresh-schemas", "--no-ignore-eos"] if first
                    else ["--output-lens-from", constrained, "--ignore-eos"])
