@@ -585,19 +585,21 @@ def test_compare_structured_rows_and_model_flag(tmp_path, monkeypatch):
 
 
 def test_reset_prefix_cache_posts_and_reports_failure():
-    """``reset_prefix_cache`` POSTs ``/reset_prefix_cache`` and says whether the server took it (2xx), False for an
-    error status or a server that isn't there."""
+    """``reset_prefix_cache`` POSTs ``/reset_prefix_cache`` and says whether the cache was emptied: a 2xx answer
+    without ``"success": false``; False for that answer, an error status or a server that isn't there."""
     import http.server
     import threading
 
-    seen = []
+    seen, answers = [], [b'{"success": true}', b'{"success": false}', b""]
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             seen.append(self.path)
+            body = answers.pop(0) if self.path == "/reset_prefix_cache" else b""
             self.send_response(200 if self.path == "/reset_prefix_cache" else 404)
-            self.send_header("Content-Length", "0")
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            self.wfile.write(body)
 
         def log_message(self, *a):
             pass
@@ -607,6 +609,8 @@ def test_reset_prefix_cache_posts_and_reports_failure():
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         assert C.reset_prefix_cache(url + "/") is True and seen == ["/reset_prefix_cache"]
+        assert C.reset_prefix_cache(url) is False  # {"success": false}: blocks still held
+        assert C.reset_prefix_cache(url) is True  # 200 with no body
         assert C.reset_prefix_cache(url + "/v1") is False  # 404
     finally:
         srv.shutdown()

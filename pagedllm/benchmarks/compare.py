@@ -434,16 +434,24 @@ def _structured_runs(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: 
 
 def reset_prefix_cache(base_url: str, timeout_s: float = 30.0) -> bool:
     """``POST {base_url}/reset_prefix_cache`` (ours with ``--server-dev-mode``, vLLM with ``VLLM_SERVER_DEV_MODE=1``);
-    whether the server answered 2xx."""
+    whether the cache was emptied: a 2xx answer whose ``{"success": bool}`` (both servers' body; it is false while
+    blocks are held, e.g. by running requests) is not false."""
     import urllib.error
     import urllib.request
 
     req = urllib.request.Request(base_url.rstrip("/") + "/reset_prefix_cache", data=b"", method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return 200 <= r.status < 300
+            body = r.read()
+            if not 200 <= r.status < 300:
+                return False
     except (urllib.error.URLError, OSError):
         return False
+    try:
+        answer = json.loads(body or b"{}")
+    except ValueError:
+        return True  # a 2xx without a JSON body
+    return not (isinstance(answer, dict) and answer.get("success") is False)
 
 
 def _structured_pair(ns, eng: str, server: P.ServerProcess, out_dir: str, runs: list[Run], suffix: str,
