@@ -479,6 +479,46 @@ def test_sample_rows_same_draw_alone_among_others_and_at_any_thread_count():
     assert len(set(runs[0].tolist())) > 4  # it really draws different tokens
 
 
+_SAMPLE_OOM_SCRIPT = r"""
+import resource, sys, torch
+from pagedllm.attention import cpu_kernels
+R, V, BIG = 4, 262144, 20000
+g = torch.Generator().manual_seed(0)
+x = torch.randn(R, V, generator=g)
+inv_t, u = torch.ones(R), torch.rand(R, generator=g, dtype=torch.float64)
+top_k = torch.full((R,), 50, dtype=torch.int64)
+first = cpu_kernels.sample_rows(x, inv_t, u, top_k=top_k)  # the library loaded, OpenMP's threads started
+# BIG rows that are all row 0 (row stride 0): 1 MB of logits, ~100 MB of scratch (the per-chunk sums and counts)
+xb, inv_b = x[:1].expand(BIG, V), torch.ones(BIG)
+u_b, top_kb = torch.rand(BIG, generator=g, dtype=torch.float64), torch.full((BIG,), 50, dtype=torch.int64)
+size = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (size + (4 << 20), hard))  # 4 MB more address space, no more
+try:
+    cpu_kernels.sample_rows(xb, inv_b, u_b, top_k=top_kb)
+    print("NO ERROR")
+except MemoryError as e:
+    print("MemoryError:", e)
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+print("AGAIN", torch.equal(cpu_kernels.sample_rows(x, inv_t, u, top_k=top_k), first))
+"""
+
+
+def test_sample_rows_out_of_memory_raises_and_the_process_goes_on():
+    """Where ``sample_rows_f32`` can't allocate its scratch (20,000 rows of 262,144 tokens need ~100 MB of it, and
+    the address space is capped 4 MB above what the process maps) the call raises ``MemoryError`` naming the sampler
+    instead of writing through a NULL pointer, and the next call, with memory back, draws what a call before it
+    drew."""
+    import subprocess
+    import sys
+
+    require_native(cpu_kernels.get_lib())
+    r = subprocess.run([sys.executable, "-c", _SAMPLE_OOM_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "MemoryError: sample_rows: no memory for the sampler's scratch (20000 rows x 262144 tokens)" in r.stdout
+    assert "AGAIN True" in r.stdout
+
+
 def test_inverse_cdf_torch_fallback_is_the_float64_inverse_cdf():
     """The sampler's torch path (no C kernel): the same draws as float64, never a zero probability."""
     from pagedllm.layers.sampler import _inverse_cdf

@@ -192,7 +192,11 @@ def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Te
     ``min_p`` (drop ``p < min_p * max p``; 0 = off), ``top_k`` (keep ``p >=`` the k-th largest; 0 = off), ``top_p``
     (then the smallest prefix by descending ``p`` whose mass reaches ``top_p`` of what is left; 1 = off). ``u [R]``:
     uniforms in [0, 1) (float64). A row's draw depends only on its own row and ``u``, not on the other rows or the
-    thread count. None where the C kernel can't run (the caller falls back to torch)."""
+    thread count. None where the C kernel can't run (the caller falls back to torch).
+
+    Raises:
+        MemoryError: the kernel could not allocate its scratch (about ``R * V / 50`` bytes, 64 KB a thread, and
+            up to 32 bytes a candidate token of a truncated row)."""
     lib = get_lib()
     if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0
             or logits.stride(1) != 1 or logits.device.type != "cpu"):
@@ -204,9 +208,11 @@ def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Te
     mp = None if min_p is None else min_p.to(torch.float32).contiguous()
     tk = None if top_k is None else top_k.to(torch.int64).contiguous()
     tp = None if top_p is None else top_p.to(torch.float32).contiguous()
-    lib.sample_rows_f32(logits.data_ptr(), R, V, logits.stride(0), t.data_ptr(),
-                        None if mp is None else mp.data_ptr(), None if tk is None else tk.data_ptr(),
-                        None if tp is None else tp.data_ptr(), u.data_ptr(), out.data_ptr())
+    rc = lib.sample_rows_f32(logits.data_ptr(), R, V, logits.stride(0), t.data_ptr(),
+                             None if mp is None else mp.data_ptr(), None if tk is None else tk.data_ptr(),
+                             None if tp is None else tp.data_ptr(), u.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"sample_rows: no memory for the sampler's scratch ({R} rows x {V} tokens)")
     return out
 
 

@@ -55,7 +55,7 @@ LIBRARIES: dict[str, Library] = {lib.name: lib for lib in (
         "rope_cache_bf16": _ROPE, "rope_cache_f32": _ROPE,
         "argmax_rows_f32": _ROWS, "argmax_rows_bf16": _ROWS, "silu_mul_bf16": _ROWS, "silu_mul_f32": _ROWS,
         "apply_token_bitmask_f32": Fn((P, I64, P, I64, P, I64, I64)),
-        "sample_rows_f32": Fn((P, I64, I64, I64, P, P, P, P, P, P)),
+        "sample_rows_f32": Fn((P, I64, I64, I64, P, P, P, P, P, P), I32),
         "stream_read": Fn((P, I64, I64), U64),
     }, _FAST_MATH),
     Library("amx", ("amx_linear.c", "amx_attention.c"), ("amx",), {

@@ -587,18 +587,29 @@ static void sample_gather(const float *x, int64_t m, int64_t c0, float M, float 
     }
 }
 
-void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const float *inv_t, const float *min_p,
-                     const int64_t *top_k, const float *top_p, const double *u, int64_t *out) {
+int sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const float *inv_t, const float *min_p,
+                    const int64_t *top_k, const float *top_p, const double *u, int64_t *out) {
     const int64_t nc = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK, NT = SAMPLE_NTH, ALL = SAMPLE_NTH - 1;
+    const int nthr = omp_get_max_threads();
     float *cm = (float *)malloc(sizeof(float) * (size_t)(R * nc)), *rm = (float *)malloc(sizeof(float) * (size_t)R);
     /* [r][c][j]: the sum and count above threshold j; the last's (ALL) are every w's */
     double *cs = (double *)malloc(sizeof(double) * (size_t)(R * nc * NT));
     int64_t *cn = (int64_t *)malloc(sizeof(int64_t) * (size_t)(R * nc * NT));
+    float *wd = (float *)malloc(sizeof(float) * 2 * SAMPLE_CHUNK * (size_t)nthr); /* w, d per thread */
+    int failed = !cm || !rm || !cs || !cn || !wd;
+    if (failed) {
+        free(cm);
+        free(rm);
+        free(cs);
+        free(cn);
+        free(wd);
+        return -1;
+    }
 #define SAMPLE_TRUNC(r) ((top_k && top_k[r] > 0) || (top_p && top_p[r] < 1.0f))
 #define SAMPLE_FLOOR(r) (min_p && min_p[r] > 0.0f ? min_p[r] : 0.0f)
-#pragma omp parallel if (R * V >= 1 << 16)
+#pragma omp parallel if (R * V >= 1 << 16) num_threads(nthr)
     {
-        float *w = (float *)malloc(sizeof(float) * 2 * SAMPLE_CHUNK), *d = w + SAMPLE_CHUNK;
+        float *w = wd + (size_t)omp_get_thread_num() * 2 * SAMPLE_CHUNK, *d = w + SAMPLE_CHUNK;
 #pragma omp for schedule(static)
         for (int64_t k = 0; k < R * nc; ++k) {
             const int64_t r = k / nc, c0 = (k % nc) * SAMPLE_CHUNK, n = V - c0 < SAMPLE_CHUNK ? V - c0 : SAMPLE_CHUNK;
@@ -666,6 +677,11 @@ void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const flo
                 if (j == ALL || (cnt > 0 && (k ? cnt >= k : mass >= p * S))) break;
             }
             sample_cand_t *cand = (sample_cand_t *)malloc(sizeof(sample_cand_t) * (size_t)(2 * cnt + 1));
+            if (!cand) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
             sample_cand_t *sorted = cand + cnt;
             int64_t n = 0;
             for (int64_t c = 0; c < nc; ++c) {
@@ -714,7 +730,6 @@ void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const flo
             out[r] = pick < 0 ? 0 : pick;
             free(cand);
         }
-        free(w);
     }
 #undef SAMPLE_TRUNC
 #undef SAMPLE_FLOOR
@@ -722,6 +737,8 @@ void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const flo
     free(rm);
     free(cs);
     free(cn);
+    free(wd);
+    return failed ? -1 : 0;
 }
 
 /* Rotary embedding (NeoX "rotate half" form, as HF's apply_rotary_pos_emb) on q and k of every token, in place, then

@@ -44,8 +44,9 @@ void argmax_rows_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t col
 void apply_token_bitmask_f32(float *logits, int64_t ld, const int64_t *rows, int64_t n_rows, const int32_t *bitmask,
                              int64_t words, int64_t vocab);
 uint64_t stream_read(const uint8_t *p, int64_t n, int64_t ahead); /* bench floor's read probe */
-void sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const float *inv_t, const float *min_p,
-                     const int64_t *top_k, const float *top_p, const double *u, int64_t *out);
+/* 0, or -1 where it could not allocate its scratch (out then unset) */
+int sample_rows_f32(const float *x, int64_t R, int64_t V, int64_t ld, const float *inv_t, const float *min_p,
+                    const int64_t *top_k, const float *top_p, const double *u, int64_t *out);
 void rope_cache_bf16(uint16_t *qkv, int64_t row_stride, const uint16_t *cs, int64_t cs_stride, uint16_t *cache_k,
                      uint16_t *cache_v, const int64_t *slots, int64_t T, int H, int KVH, int D);
 void rope_cache_f32(float *qkv, int64_t row_stride, const float *cs, int64_t cs_stride, float *cache_k,
