@@ -43,11 +43,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("PAGEDLLM_BATCH_INVARIANT", "1",
            "0: let kernels choose their algorithm by the number of rows of a call (faster int4/int8 at some batch "
            "sizes, but a request's greedy output may then depend on the requests batched with it)."),
-    EnvVar("PAGEDLLM_KQUANT_ACT_BITS", "16",
-           "Activations of the GGUF K-quant / Q8_0 / Q5_0 integer matmuls' decode rows: 16 (15-bit, ~2^-15 of each "
-           "block's max: greedy output as the float32 model's) or 8 (int8 per 32 inputs, as llama.cpp; half the integer "
-           "work: decode steps up to ~1.2x faster where the host reads fast, ~4x the KL from the float32 model; "
-           "README, quantized weights)."),
+    EnvVar("PAGEDLLM_KQUANT_ACT_BITS", "auto",
+           "Activations of the GGUF K-quant / Q8_0 / Q5_0 integer matmuls' decode rows: auto (8 with bf16 activations, "
+           "16 with float32), 16 (15-bit, ~2^-15 of each block's max: greedy output as the float32 model's) or 8 (int8 "
+           "per 32 inputs, as llama.cpp; half the integer work: decode steps ~1.1x faster on AVX2, about twice the KL "
+           "from the float32 model that bf16 activations give, no more than llama.cpp's own; README, quantized weights)."),
     EnvVar("PAGEDLLM_KQUANT_PREFILL_ACT_BITS", "8",
            "The same for prefill rows (where the level has no bf16 tile path): 8 (1.2x faster prefill on AVX2) or 16."),
     EnvVar("PAGEDLLM_INT4_PREFETCH_BYTES", "auto",

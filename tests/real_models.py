@@ -90,12 +90,13 @@ def assert_dequantizes_like_gguf(path: str) -> list[str]:
 
 
 @torch.inference_mode()
-def prefill_logits(model, tokens: list[int], chunk: int, keep_last: int = 0, block_size: int = 16) -> torch.Tensor:
+def prefill_logits(model, tokens: list[int], chunk: int, keep_last: int = 0, block_size: int = 16,
+                   kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits of every position (of the last ``keep_last`` ones if > 0), computed in chunks of ``chunk`` tokens
-    through a fresh paged cache."""
+    through a fresh paged cache (of ``kv_dtype``: the model's dtype)."""
     n = len(tokens)
     num_blocks = -(-n // block_size)
-    kv = allocate_kv_caches(model.kv_cache_spec(), num_blocks + 1, block_size, torch.float32)
+    kv = allocate_kv_caches(model.kv_cache_spec(), num_blocks + 1, block_size, kv_dtype)
     table = torch.arange(num_blocks, 0, -1, dtype=torch.int32)[None]  # blocks in reverse order
     out = []
     for s in range(0, n, chunk):

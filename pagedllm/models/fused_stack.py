@@ -147,7 +147,7 @@ class FusedStack:
         # without prefill rows, which it gives the C tile kernel; else steps of <= INT4_GEMV_MAX_TOKENS tokens)
         self.any_int4 = False
         self.int4_max_tokens = None if kernels.config().batch_invariant else INT4_GEMV_MAX_TOKENS
-        # K-quant linears run kquant_matmul on kquant_act_bits activations, the Python path's decode rows (prefill
+        # K-quant linears run kquant_matmul on kquant_decode_bits(bf16) activations, the Python path's decode rows (prefill
         # rows take other widths or the bf16 tile path: steps with prefill rows take the Python loop)
         self.any_kq = False
         self._keep: list = []  # the shard arrays the C structs point into
@@ -193,7 +193,7 @@ class FusedStack:
             m.int4 = _addr(int4, "int4_gemv_bf16")
         if kq is not None:
             m.kq_quant, m.kq_matmul = _addr(kq, "kq_quantize_act"), _addr(kq, "kq_matmul_shards")
-            m.kq_act_bits = kernels.config().kquant_act_bits
+            m.kq_act_bits = kernels.config().kquant_decode_bits(torch.bfloat16)  # the loop's activations are bf16
         self._kq_max_k = max(self.hidden, self.H * self.D, self.inter)
         self._kq_scratch = torch.empty(0, dtype=torch.uint8)
         m.layers = ctypes.cast(self._arr, ctypes.c_void_p)

@@ -26,7 +26,8 @@
  * codes by xq itself as int16 (vpmaddwd), exact too.
  * Rounding error: |x - xs xq| <= 0.504 xs = max|x| / 32256 per element (about 2^-15 of the block's largest |x|),
  * the only approximation besides float32 arithmetic; it is far below a bf16 rounding (2^-9).
- * 8-bit activations (act_bits 8; by default prefill rows): xq = 128 k with k = rint(127 x / max|x|), so lo = 0 and
+ * 8-bit activations (act_bits 8; by default prefill rows, and decode rows of bf16 activations: KernelConfig
+ * .kquant_decode_bits): xq = 128 k with k = rint(127 x / max|x|), so lo = 0 and
  * the kernels skip it (one vpdpbusd per chunk instead of two; on AVX2 vpmaddubsw with int16 sums, kq_dots_ub): the
  * same arithmetic on coarser activations, error <= max|x| / 254 per element.
  *
@@ -779,7 +780,10 @@ static inline __attribute__((always_inline)) void kq_tile_avx2(const int T, cons
  * Q4_K 1.2x, Q6_K 1.07-1.1x; Q8_0 0.8x (each chunk's signs cost 4 vpsignb more), so Q8_0 keeps kq_dots_pw.
  * In the engine (2 threads, builds alternating, host reads 26-38 GB/s): Gemma-3-270M's fused layer stack
  * 3.41-3.51 -> 3.03-3.12 ms a decode step, Qwen2.5-Coder-0.5B's 8.63-8.68 -> 8.13-8.36 ms. -DKQ_NO_W15_ROW builds
- * the kq_dots_pw path back for every type. */
+ * the kq_dots_pw path back for every type.
+ * MR = 1 with 8-bit activations (a decode row of a bf16 model; LO = 0) takes the same single pass, prefetching as
+ * LO = 1 does, where it took kq_tile_avx2's two halves of kq_dots_ub (same bits; EPYC Zen 3, one thread, weights hot,
+ * builds interleaved: Q5_0 1.08-1.47x, Q6_K 1.14-1.24x, Q4_K 1.04-1.32x, Q8_0 even). -DKQ_NO_A8_ROW builds that back. */
 static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, const int MR, const int LO,
                                                                   const uint8_t *tile, const kq_act *a, int64_t m0,
                                                                   float res[4][KQ_R]) {
@@ -799,7 +803,7 @@ static inline __attribute__((always_inline)) void kq_tile_avx2_a8(const int T, c
         for (int j = 0; j < ng; j++) {
             const int64_t gi = sb * ng + j;
             const uint8_t *g = h + hb + j * gb;
-            if (LO) /* one-row decode streams the weights: kq_tile_avx2's prefetch */
+            if (MR == 1) /* one-row decode streams the weights: kq_tile_avx2's prefetch */
                 for (int pl = 0; pl < gb; pl += 64) WEIGHT_PREFETCH(g + KQ_PREFETCH + pl, 3);
             VI s32[2][2][4]; /* [Q6_K half group][lane half][row] */
             VI s16[2][4], l16[2];
@@ -922,11 +926,23 @@ static inline int kq_w15_row(const int T) {
 }
 #endif
 
+/* Whether a one-row tile of type T on 8-bit activations takes kq_tile_avx2_a8 (else kq_tile_avx2's two halves of
+ * kq_dots_ub; all types in a -DKQ_NO_A8_ROW build). */
+static inline int kq_a8_row(const int T) {
+#ifdef KQ_NO_A8_ROW
+    (void)T;
+    return 0;
+#else
+    (void)T;
+    return 1;
+#endif
+}
+
 static inline __attribute__((always_inline)) void kq_tile(const int T, const int MR, const int A8, const uint8_t *tile,
                                                           const kq_act *a, int64_t m0, float res[4][KQ_R]) {
 #if KQ_ISA == 1
-    if (MR == 1 && !A8 && kq_w15_row(T)) /* a decode row on 15-bit activations */
-        kq_tile_avx2_a8(T, 1, 1, tile, a, m0, res);
+    if (MR == 1 && (A8 ? kq_a8_row(T) : kq_w15_row(T))) /* a decode row: 15-bit (LO) or 8-bit activations */
+        kq_tile_avx2_a8(T, 1, !A8, tile, a, m0, res);
     else if (MR == 1) /* decode rows: both halves in one pass */
         kq_tile_avx2(T, 1, 2, A8, tile, 0, a, m0, res);
 #ifndef KQ_NO_A8_ROWS

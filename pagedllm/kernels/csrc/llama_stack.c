@@ -72,7 +72,7 @@ typedef struct stack_model {
     silu_mul_fn silu_mul;  /* after a kind 1 or 2 gate_up */
     kq_quant_fn kq_quant;  /* kind 2 linears: kquant_cpu.c's quantizer and matmul */
     kq_matmul_fn kq_matmul;
-    int64_t kq_act_bits;   /* the activations' width (KernelConfig.kquant_act_bits: these steps are decode rows) */
+    int64_t kq_act_bits;   /* the activations' width (KernelConfig.kquant_decode_bits(bf16): these steps are decode rows) */
     const stack_layer_t *layers;
     gemma_norm_fn gnorm;   /* Gemma 3 only */
     gelu_mul_fn gelu_mul;

@@ -14,13 +14,14 @@ ahead), 16 rows per instruction, with the block scales applied per group to one 
 epilogue); see ``kquant_cpu.c`` for the layout. (The kernel walked the file's rows
 along K before: 2.5-3x the memory floor at decode; now 1.15-1.6x, see the issue-20 report.)
 
-The activations are quantized per 32 inputs to 15 bits (``quantize_activations``); the u8 x s8 products are summed
-exactly in int32 and the block scales applied in float32. Prefill rows (``step_rows``) on the integer kernel take
+The activations are quantized per 32 inputs (``quantize_activations``) to 15 or 8 bits; the u8 x s8 products are
+summed exactly in int32 and the block scales applied in float32. Prefill rows (``step_rows``) on the integer kernel take
 8-bit activations by default (``KernelConfig.kquant_prefill_act_bits``: int8 per 32 inputs, as llama.cpp's Q8_0;
-the kernel then skips the low half, 1.2x faster prefill on AVX2), decode rows 15 bits (``kquant_act_bits``); the row
-kind, never the row count, picks the width, so batch invariance holds.
+the kernel then skips the low half, 1.2x faster prefill on AVX2); decode rows the width their dtype carries
+(``KernelConfig.kquant_decode_bits``: 8 bits for bf16 activations, the server's default, 15 bits for float32 ones);
+the row kind and the dtype, never the row count, pick the width, so batch invariance holds.
 
-Error: per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15, far below a bf16 rounding),
+Error (15 bits): per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15, far below a bf16 rounding),
 so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 arithmetic; ``tests/test_kquant.py`` checks it
 against ``gguf.quants.dequantize`` and a float64 matmul. Every M runs the same per-row arithmetic (batch
 invariance: a row's result does not depend on the other rows of the call, nor on the thread count), and every ISA
@@ -174,11 +175,12 @@ def quantize_activations(x: torch.Tensor, lib: Optional[ctypes.CDLL] = None, bit
                          ) -> QuantizedActivations:
     """``x [M, K]`` (bf16 / float32; K % 32 == 0) -> ``QuantizedActivations`` (one pass, in C).
 
-    ``bits`` (default the active ``KernelConfig.kquant_act_bits``): 16: xq = rint(x / xs), xs = max|x| / 16256 per
+    ``bits`` (default the active ``KernelConfig.kquant_decode_bits`` for x's dtype: 8 for bf16, 16 for float32):
+    16: xq = rint(x / xs), xs = max|x| / 16256 per
     block of 32; 8: xq = 128 rint(127 x / max|x|) (lo = 0; the matmul then skips lo: about half the integer work),
     per element error <= max|x| / 254, llama.cpp's per-32 int8 (finer than its per-256 Q8_K for K-quants)."""
     lib = lib or get_lib()
-    bits = kernels.config().kquant_act_bits if bits is None else bits
+    bits = kernels.config().kquant_decode_bits(x.dtype) if bits is None else bits
     if bits not in (8, 16):
         raise ValueError(f"bits must be 8 or 16; got {bits!r}")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -283,7 +285,7 @@ def kquant_linear(x: torch.Tensor, weights: Sequence[KQuantWeight], out_dtype: O
     model runner marked as prefill rows (``step_rows``) of a bf16 layer go through ``kquant_prefill_bf16`` at level
     ``amx`` (tiles dequantized to bf16: the weights rounded once to bf16, like a bf16 model), elsewhere the integer
     kernel on ``KernelConfig.kquant_prefill_act_bits`` activations; decode rows and every other call run the integer
-    kernel on the file's exact values (15-bit activations)."""
+    kernel on the file's exact values (activations of ``KernelConfig.kquant_decode_bits`` for x's dtype)."""
     from pagedllm.layers.quantization.kernels import by_row_kind, current_step_rows
 
     out_dtype = out_dtype or x.dtype
@@ -297,7 +299,7 @@ def kquant_linear(x: torch.Tensor, weights: Sequence[KQuantWeight], out_dtype: O
                                lambda xd: kquant_matmul(quantize_activations(xd, lib), weights, torch.bfloat16, lib))
     cfg = kernels.config()
     if rows is not None and rows.num_tokens == x.shape[0] and rows.prefill is not None and \
-            cfg.kquant_prefill_act_bits != cfg.kquant_act_bits:
+            cfg.kquant_prefill_act_bits != cfg.kquant_decode_bits(x.dtype):
         pb = cfg.kquant_prefill_act_bits
         y = by_row_kind(x.contiguous(), rows,
                         lambda xp: kquant_matmul(quantize_activations(xp, lib, pb), weights, kernel_dtype, lib),
