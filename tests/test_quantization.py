@@ -94,14 +94,18 @@ def _no_kquant_kernels(monkeypatch) -> None:
 
 def _check_kquant(layer: QuantLinear, ref_w: torch.Tensor, k: int) -> None:
     """Forward at several batch sizes vs ``x @ ref_w.T`` within the kquant bound (tests/test_kquant.py derives it:
-    15-bit activations per block of 32, then float32 sums; plus one rounding of a bf16 output)."""
+    activations of the decode rows' width for the dtype per block of 32 (15 bits: max|x| / 16256 steps, 8 bits:
+    max|x| / 127), then float32 sums; plus one rounding of a bf16 output)."""
+    from pagedllm import kernels
+
+    step = 16256 if kernels.config().kquant_decode_bits(layer.dtype) == 16 else 127
     torch.manual_seed(1)
     for t in (1, 3, 9, 37):
         x = torch.randn(t, k, dtype=layer.dtype)
         got = layer(x).double()
         xd, wd = x.double(), ref_w.double()
         ref = xd @ wd.t()
-        xs = xd.abs().view(t, -1, 32).amax(-1).repeat_interleave(32, 1) / 16256
+        xs = xd.abs().view(t, -1, 32).amax(-1).repeat_interleave(32, 1) / step
         bound = 0.504 * xs @ wd.abs().t() + 2.0**-18 * (xd.abs() @ wd.abs().t())
         if layer.dtype == torch.bfloat16:
             bound += ref.abs() * 2.0**-8
@@ -881,7 +885,7 @@ def test_smollm2_quantized_bf16_adds_no_error_beyond_bf16():
     directly: on bf16 hidden states, the bf16 model's head gives float32 logits within float32 rounding of a float64
     product with the file's table (a bf16 rounding anywhere would be a 2^-9 relative error)."""
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.layers.quantization.kquant import quantize_activations
+    from pagedllm.layers.quantization.kquant import LOGITS_ACT_BITS, quantize_activations
     from pagedllm.sampling_params import SamplingParams
 
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
@@ -907,8 +911,9 @@ def test_smollm2_quantized_bf16_adds_no_error_beyond_bf16():
     table = heads["float32"](torch.arange(vocab)).double()  # [vocab, dim]: the file's Q8_0 values (exact in float32)
     h = torch.randn(16, dim, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = heads["bfloat16"].logits(h)
-    # the kernel's one approximation is its 15-bit activations (test_kquant's bound); against those, float32 rounding
-    xq = quantize_activations(h).dequantize().double()
+    # the kernel's one approximation is its 15-bit activations (test_kquant's bound; the head keeps 15 bits in bf16
+    # too, kquant.LOGITS_ACT_BITS); against those, float32 rounding
+    xq = quantize_activations(h, bits=LOGITS_ACT_BITS).dequantize().double()
     assert got.dtype == torch.float32
     assert ((got.double() - xq @ table.T).abs() <= (dim / 16 + 16) * 2.0**-24 * (xq.abs() @ table.abs().T)).all()
 

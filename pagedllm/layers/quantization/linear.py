@@ -26,7 +26,7 @@ from pagedllm.layers.quantization.kernels import (
     int8_logits,
     int8_matmul,
 )
-from pagedllm.layers.quantization.kquant import KQuantWeight, dequantize_rows, kquant_linear
+from pagedllm.layers.quantization.kquant import KQuantWeight, dequantize_rows, kquant_linear, kquant_logits
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class QuantLinear(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:  # as an (untied) lm_head: [T, K] -> [T, N] float32
         if self.kind == "kquant":
-            y = kquant_linear(x, self._kq, torch.float32)
+            y = kquant_logits(x, self._kq)
         elif self.kind == "int4":
             if self.perm is not None:
                 x = x.index_select(-1, self.perm)
@@ -243,7 +243,7 @@ class QuantEmbedding(nn.Module):
 
             return float32_logits(self, x, self.weight)
         if self.kind == "kquant":
-            return kquant_linear(x, [self._kq], torch.float32)
+            return kquant_logits(x, [self._kq])
         return int8_logits(x, self.qweight, self.scale, self.unit_scale)
 
     def dequantized_weight(self) -> torch.Tensor:
