@@ -311,7 +311,8 @@ def test_kquant_activation_widths_resolve_and_are_checked(monkeypatch):
     # decode rows: the width of their dtype (auto); prefill rows llama.cpp-wide
     assert (cfg.kquant_act_bits, cfg.kquant_prefill_act_bits) == (0, 8)
     assert [cfg.kquant_decode_bits(d) for d in (torch.bfloat16, torch.float32, torch.float16)] == [8, 16, 16]
-    assert "kquant activations auto (8-bit on bf16, 15-bit on float32) (prefill 8-bit, LM head 15-bit)" in cfg.describe()
+    want = "kquant activations auto (8-bit on bf16, 15-bit on float32) (prefill 8-bit, LM head 15-bit)"
+    assert want in cfg.describe()
     for v in ("auto", "", " AUTO "):
         monkeypatch.setenv("PAGEDLLM_KQUANT_ACT_BITS", v)
         assert KernelConfig.from_env("none").kquant_act_bits == 0

@@ -521,7 +521,7 @@ def test_embedding_and_heads_kept_as_stored(qtype, dtype):
     got = emb(ids)
     assert got.shape == (2, 2, k) and got.dtype == dtype and torch.equal(got, ref[ids].to(dtype))
     x = torch.randn(5, k, dtype=dtype)
-    step = 16256  # the heads' activations: 15 bits at every dtype (kquant.LOGITS_ACT_BITS), max|x| / step
+    step = 16256  # the heads' activations: 15 bits at every dtype (kernels.config.LOGITS_ACT_BITS), max|x| / step
     for logits, bias in ((emb.logits(x), 0), (head.logits(x), head.bias.double())):
         assert logits.dtype == torch.float32 and logits.shape == (5, n)
         exact = x.double() @ ref.double().T + bias

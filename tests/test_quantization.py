@@ -912,7 +912,7 @@ def test_smollm2_quantized_bf16_adds_no_error_beyond_bf16():
     h = torch.randn(16, dim, generator=torch.Generator().manual_seed(0)).bfloat16()
     got = heads["bfloat16"].logits(h)
     # the kernel's one approximation is its 15-bit activations (test_kquant's bound; the head keeps 15 bits in bf16
-    # too, kquant.LOGITS_ACT_BITS); against those, float32 rounding
+    # too, kernels.config.LOGITS_ACT_BITS); against those, float32 rounding
     xq = quantize_activations(h, bits=LOGITS_ACT_BITS).dequantize().double()
     assert got.dtype == torch.float32
     assert ((got.double() - xq @ table.T).abs() <= (dim / 16 + 16) * 2.0**-24 * (xq.abs() @ table.abs().T)).all()

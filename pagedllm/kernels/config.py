@@ -178,15 +178,16 @@ class KernelConfig:
         the same order: teacher-forced over 1,785 positions (7 chunks of 512 tokens, the second halves scored), the
         mean KL from the same file run in float32 was, with bf16 activations, 5.6e-4 (15-bit) / 1.19e-3 (8-bit) on
         Qwen2.5-Coder-0.5B and 4.9e-4 / 9.7e-4 on the 1.5B Q4_K_M (EPYC Zen 3, s42, the head then 8-bit too; on a
-        Zen 5 with the head at 15 bits, s43: 5.7e-4 / 1.06e-3 and 4.3e-4 / 1.10e-3), where llama.cpp's own run of each file measured
-        against its F32 conversion (``llama-perplexity --kl-divergence``, the same text and chunks) gave 1.21e-3 and
+        Zen 5 with the head at 15 bits, s43: 5.7e-4 / 1.06e-3 and 4.3e-4 / 1.10e-3), where llama.cpp's own run of
+        each file measured against its F32 conversion (``llama-perplexity --kl-divergence``, the same text and
+        chunks) gave 1.21e-3 and
         2.43e-3; with float32 activations 15-bit rows give the float32 model's greedy output (KL 5e-8). 8-bit rows
         halve the integer work (one ``vpdpbusd`` per chunk instead of two; AVX2: one ``vpmaddubsw``): on an EPYC Zen 3
         (runs alternating) the 1.5B's decode step took 1.20-1.30x its memory floor with 15-bit rows and 1.10-1.17x
         with 8-bit ones while the host read 30-36 GB/s, and 1.11-1.23x either way at 27-30 GB/s, where the weight
         stream hides the integer work (README, quantized weights). The width follows the dtype, never the number of
         rows, so batch invariance holds. The LM head is not a decode row here: it keeps 15 bits at every dtype
-        (``kquant.LOGITS_ACT_BITS``; 8-bit head activations flipped the bundled SmolLM2's answer to the README's
+        (``LOGITS_ACT_BITS``; 8-bit head activations flipped the bundled SmolLM2's answer to the README's
         first question)."""
         if self.kquant_act_bits:
             return self.kquant_act_bits
@@ -244,7 +245,7 @@ class KernelConfig:
         return (f"level={self.level} (CPU best: {detect_level()})" + (f", off: {', '.join(off)}" if off else "")
                 + (", hugepages" if self.hugepages else "") + ", kquant activations "
                 + (_width(self.kquant_act_bits) if self.kquant_act_bits else "auto (8-bit on bf16, 15-bit on float32)")
-                + f" (prefill {_width(self.kquant_prefill_act_bits)}, LM head 15-bit)"
+                + f" (prefill {_width(self.kquant_prefill_act_bits)}, LM head {_width(LOGITS_ACT_BITS)})"
                 + f", int4 prefill {self.int4_prefill_kernel}"
                 + f", weight prefetch int4 {self.int4_prefetch} B / K-quant {self.kquant_prefetch} B"
                 + (", non-temporal" if self.weight_prefetch_nta else "")
@@ -285,6 +286,15 @@ def _choice_env(name: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {v!r}.")
     return v
+
+
+# The LM head's activations: 15 bits at every dtype. The logits are what a token is picked from, and a tiny model's
+# near-tied ones flip with the head's rounding: SmolLM2-135M (its tied Q8_0 head) answered "What is the capital of
+# France?" with "L'Étoile, la Marseillaise, ..." on 8-bit head activations in bf16 and "The capital of France is
+# Paris." on 15-bit ones (s42, a fresh clone's `make serve`). One matmul a step: the 1.5B Q4_K_M's Q6_K head (191 of
+# its 980 MB) 8.55 vs 7.83 ms at 15 / 8 bits, streamed alone at 20-30 GB/s (EPYC Zen 3, 2 threads); on an EPYC Zen 5
+# 4.60 vs 4.53 ms, Gemma-3-270M's Q8_0 head 4.23 vs 4.32 ms (s43, alternating). Read by ``kquant.kquant_logits``.
+LOGITS_ACT_BITS = 16
 
 
 def _width(bits: int) -> str:

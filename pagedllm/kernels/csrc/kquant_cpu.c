@@ -929,11 +929,10 @@ static inline int kq_w15_row(const int T) {
 /* Whether a one-row tile of type T on 8-bit activations takes kq_tile_avx2_a8 (else kq_tile_avx2's two halves of
  * kq_dots_ub; all types in a -DKQ_NO_A8_ROW build). */
 static inline int kq_a8_row(const int T) {
-#ifdef KQ_NO_A8_ROW
     (void)T;
+#ifdef KQ_NO_A8_ROW
     return 0;
 #else
-    (void)T;
     return 1;
 #endif
 }

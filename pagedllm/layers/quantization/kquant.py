@@ -19,8 +19,8 @@ summed exactly in int32 and the block scales applied in float32. Prefill rows (`
 8-bit activations by default (``KernelConfig.kquant_prefill_act_bits``: int8 per 32 inputs, as llama.cpp's Q8_0;
 the kernel then skips the low half, 1.2x faster prefill on AVX2); decode rows the width their dtype carries
 (``KernelConfig.kquant_decode_bits``: 8 bits for bf16 activations, the server's default, 15 bits for float32 ones);
-the LM head's rows keep 15 bits at every dtype (``kquant_logits``, ``LOGITS_ACT_BITS``). The row kind and the dtype,
-never the row count, pick the width, so batch invariance holds.
+the LM head's rows keep 15 bits at every dtype (``kquant_logits``, ``kernels.config.LOGITS_ACT_BITS``). The row kind
+and the dtype, never the row count, pick the width, so batch invariance holds.
 
 Error (15 bits): per element |x - x~| <= max|x| / 32256 over its block of 32 (about 2^-15, far below a bf16 rounding),
 so ``|y - x @ W.T| <= sum_k |w_k| max_b|x| / 32256`` plus float32 arithmetic; ``tests/test_kquant.py`` checks it
@@ -50,6 +50,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from pagedllm import kernels
 from pagedllm.kernels.bindings import StackKqShard
+from pagedllm.kernels.config import LOGITS_ACT_BITS
 from pagedllm.layers.quantization import tile_cache
 from pagedllm.layers.quantization.tile_cache import FileSpan
 from pagedllm.utils.hugepages import weight_empty
@@ -278,12 +279,6 @@ def kquant_prefill_bf16(x: torch.Tensor, weights: Sequence[KQuantWeight], found,
     return out
 
 
-# The LM head's activations: 15 bits at every dtype. The logits are what a token is picked from, and a tiny model's
-# near-tied ones flip with the head's rounding: SmolLM2-135M (its tied Q8_0 head) answered "What is the capital of
-# France?" with "L'Étoile, la Marseillaise, ..." on 8-bit head activations in bf16 and "The capital of France is
-# Paris." on 15-bit ones (s42, a fresh clone's `make serve`). One matmul a step: the 1.5B Q4_K_M's Q6_K head (191 of
-# its 980 MB) 8.55 vs 7.83 ms at 15 / 8 bits, streamed alone at 20-30 GB/s (EPYC Zen 3, 2 threads).
-LOGITS_ACT_BITS = 16
 
 
 def kquant_logits(x: torch.Tensor, weights: Sequence[KQuantWeight], lib: Optional[ctypes.CDLL] = None
