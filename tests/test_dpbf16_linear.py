@@ -141,6 +141,30 @@ def test_batch_invariant(level, mode):
         assert torch.equal(_call(lib, x[i:i + 1].contiguous(), p, n, b, mode), big[i:i + 1]), f"row {i} of 300"
 
 
+@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("mode", [0, 3])
+def test_row_panels(level, mode):
+    """A call whose rows outgrow one row panel (PANEL_BYTES, 2 MB of x: here 700 rows x 4,096 = 5.7 MB, four panels
+    of 192 rows and one of 124): within the float64 bound, and the rows on each side of every panel edge, alone, give
+    the same bits."""
+    lib = _lib(level)
+    gen = torch.Generator().manual_seed(7)
+    n, k, m = 160, 4096, 700 if level != "scalar" else 400
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    out = _call(lib, x, _pack(lib, w), n, b, mode)
+    ref, acc_err = _ref_and_bound(x, w, b)
+    if mode == 3:
+        assert ((out.double() - ref).abs() <= acc_err + 1e-30).all()
+    else:
+        _check_bf16(out, ref, acc_err)
+    p = _pack(lib, w)
+    for i in (0, 95, 96, 191, 192, 383, 384, 575, 576, m - 1):
+        if i < m:
+            assert torch.equal(_call(lib, x[i:i + 1].contiguous(), p, n, b, mode), out[i:i + 1]), f"row {i}"
+
+
 @pytest.mark.parametrize("level", ["avx512_bf16", "avx2"])
 def test_thread_count_invariant(level):
     """The thread split only moves whole column blocks: the same bits with 1 thread as with all."""

@@ -27,7 +27,8 @@
  * core, measured) binds: 2,048 rows ran at 160 GFLOP/s, 91% of that peak.
  * Compute: rows go in blocks of MR (6 on AVX-512: 6 rows x 4 vectors = 24 accumulators + 4 weight registers), the
  * weights of a column block are read once per row block (from L1/L2 after the first). Work units are (a range of
- * column blocks) x (up to UNIT_ROWS rows), taken dynamically by the OpenMP threads; at decode sizes (M <= UNIT_ROWS)
+ * column blocks) x (up to UNIT_ROWS rows), taken dynamically by the OpenMP threads one row panel (PANEL_BYTES of
+ * x) at a time; at decode sizes (M <= UNIT_ROWS)
  * one contiguous range per thread, so each thread streams its weights in order (when the column blocks don't divide
  * among the threads, from SPLIT_MIN_ROWS rows one block's rows are cut between two of them).
  * Requires N % 32 == 0 and K % 2 == 0 (the caller checks N % 32 and K % 32).
@@ -61,6 +62,13 @@
 
 #define UNIT_ROWS 96                    /* rows of one work unit: 96 x K bf16 stays in L2 with a weight block */
 #define UNIT_WEIGHT_BYTES (256 * 1024)  /* weights of one work unit (at most) when M > UNIT_ROWS, bytes */
+/* Rows of x one pass of every column block covers when M > UNIT_ROWS, in bytes of x (see dpbf16_linear_bf16). Zen 5,
+ * 2 threads, 2,048 rows, Qwen2.5-1.5B's down_proj (K 8,960: x is 37 MB, over this VM's 32 MB L3 share when read
+ * whole once per column block): 601-646 -> 714-797 GFLOP/s at 2 MB, 8 / 16 MB 713 / 701; its other three layers
+ * (K 1,536) within noise; 512 rows within noise (in-process A/B, medians of 6-8 rounds). */
+#ifndef PANEL_BYTES
+#define PANEL_BYTES (2 * 1024 * 1024)
+#endif
 #define KC 128                          /* K pairs of one pass over the rows: 32 KB of a 64-column block's weights */
 /* Weights prefetched this many K pairs ahead (16 KB of a 64-column block), into L2 (T1): an L1 prefetch holds a line
  * fill buffer until the line arrives, and ~16 per core cap the stream (as in amx_linear.c). SmolLM2's 120 linears of
@@ -440,12 +448,22 @@ void dpbf16_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t 
     int64_t bcu = nmc == 1 ? (NB + nthr - 1) / nthr : UNIT_WEIGHT_BYTES / (K * 128);
     if (bcu < 1) bcu = 1;
     const int64_t nbc = (NB + bcu - 1) / bcu;
-    const int64_t units = nbc * nmc;
+    /* Row panels of at most PANEL_BYTES of x (whole units, equal sizes): every column block passes over one panel
+     * before the next panel starts, so the panel's rows stay in cache while all the weights stream past */
+    int64_t panel_units = PANEL_BYTES / (K * 2 * UNIT_ROWS);
+    if (panel_units < 1) panel_units = 1;
+    const int64_t npanels = (nmc + panel_units - 1) / panel_units;
+    const int64_t panel = (nmc + npanels - 1) / npanels * UNIT_ROWS;
+    for (int64_t r0 = 0; r0 < M; r0 += panel) {
+    const int64_t r1 = r0 + panel < M ? r0 + panel : M;
+    const int64_t pmc = (r1 - r0 + UNIT_ROWS - 1) / UNIT_ROWS;
+    const int64_t units = nbc * pmc;
 #pragma omp parallel for schedule(dynamic, 1) if (units > 1)
     for (int64_t u = 0; u < units; u++) {
-        const int64_t b0 = (u / nmc) * bcu, b1 = b0 + bcu < NB ? b0 + bcu : NB;
-        const int64_t mlo = (u % nmc) * UNIT_ROWS, mhi = mlo + UNIT_ROWS < M ? mlo + UNIT_ROWS : M;
+        const int64_t b0 = (u / pmc) * bcu, b1 = b0 + bcu < NB ? b0 + bcu : NB;
+        const int64_t mlo = r0 + (u % pmc) * UNIT_ROWS, mhi = mlo + UNIT_ROWS < r1 ? mlo + UNIT_ROWS : r1;
         for (int64_t b = b0; b < b1; b++) block_rows(x, xf, mlo, mhi, K, P, N, b, bias, out, mode);
+    }
     }
     free(xf);
 }
