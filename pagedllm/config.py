@@ -52,7 +52,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed per step (the token budget)
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0: no per-request cap on a prefill chunk
+    long_prefill_token_threshold: int = 0  # the most prompt tokens one request computes in a step (0: no cap)
 
 
 @dataclass(frozen=True)
@@ -400,6 +400,7 @@ class EngineArgs:
     num_gpu_blocks_override: Optional[int] = None  # vLLM's name for an explicit KV block count
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # vLLM's: a prompt's chunk per step at most this (0: off)
     max_logprobs: int = 20
     seed: int = 0
     chat_template: Optional[str] = None
@@ -450,6 +451,12 @@ class EngineArgs:
                      "tensor_parallel_size", "pipeline_parallel_size"):
             pos(name)
         pos("max_in_flight_batches", allow_none=False)
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer, got {t!r}.")
+        if t and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs chunked prefill (a prompt it cuts spans several "
+                             "steps); drop --no-enable-chunked-prefill or the threshold.")
         for f in dataclasses.fields(InputLimits):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (v == 0 and not f.name.startswith(
@@ -504,7 +511,7 @@ class EngineArgs:
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 8192
         max_model_len = self.max_model_len or max_pos
         vocab_size = int(hf_config.vocab_size)
-        max_num_batched_tokens = self.max_num_batched_tokens or max(2048, 0)
+        max_num_batched_tokens = self.max_num_batched_tokens or 2048
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
         if self.served_model_name:
@@ -556,6 +563,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

@@ -114,6 +114,28 @@ def test_chunked_prefill_chunk_sizes_under_budget():
     assert pool_whole(s)
 
 
+def test_long_prefill_token_threshold_caps_each_prompt_chunk():
+    """vLLM's long_prefill_token_threshold: no request computes more than that many tokens in a step, so the prompts
+    queued behind a long one get budget in the same step; the budget still caps the step."""
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    s = Scheduler(kv, 8, 16, 256, long_prefill_token_threshold=6)
+    r = FakeRunner(s)
+    s.add_request(req("a", 20, max_tokens=2))
+    s.add_request(req("b", 4, max_tokens=2, base=300))
+    s.add_request(req("c", 9, max_tokens=2, base=600))
+    steps = []
+    while s.has_unfinished_requests():
+        so, _ = step(s, r)
+        steps.append(dict(so.num_scheduled_tokens))
+    assert steps[0] == {"a": 6, "b": 4, "c": 6}
+    assert steps[1] == {"a": 6, "b": 1, "c": 3}
+    assert steps[2] == {"a": 6, "c": 1}  # b finished (2 tokens)
+    assert steps[3] == {"a": 2}  # c finished
+    assert steps[4] == {"a": 1} and len(steps) == 5
+    assert all(sum(st.values()) <= 16 for st in steps)
+    assert pool_whole(s)
+
+
 def test_budget_shared_running_first_then_fcfs():
     s = make_sched(budget=10, block_size=4)
     r = FakeRunner(s)

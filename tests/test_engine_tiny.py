@@ -107,6 +107,8 @@ def test_engine_greedy_equals_hf(kind, tmp_path):
         "batched": llm,
         # a 7-token budget forces chunked prefill with chunks ending mid-block and on block boundaries
         "chunked": llm.with_engine_args(max_num_batched_tokens=7),
+        # at most 5 prompt tokens a request per step: long prompts in chunks beside the short ones' whole prompts
+        "long_prefill": llm.with_engine_args(long_prefill_token_threshold=5),
         "preempt": llm.with_engine_args(num_gpu_blocks_override=num_blocks, max_model_len=72,
                                         max_num_batched_tokens=16),
     }
@@ -125,6 +127,7 @@ def test_engine_greedy_equals_hf(kind, tmp_path):
         pool = core.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_blocks - 1, f"{name}: blocks leaked"
     assert variants["preempt"].llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert variants["long_prefill"].llm_engine.engine_core.scheduler.chunk_cap == 5
     runner = llm.llm_engine.engine_core.runner
     if kind.startswith("deepseek"):  # one MLA latent per token per layer in the paged cache, nothing else
         assert all(c.shape == (runner.num_blocks, 4, 16 + 8) for c in runner.kv_caches)

@@ -106,6 +106,20 @@ def test_bad_engine_args(tmp_path):
         EngineArgs(dtype="int3").create_engine_config()
     with pytest.raises(FileNotFoundError):
         EngineArgs(model=str(tmp_path / "nope.gguf")).create_engine_config()
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be a non-negative integer"):
+        EngineArgs(long_prefill_token_threshold=-1).create_engine_config()
+    with pytest.raises(ValueError, match="long_prefill_token_threshold needs chunked prefill"):
+        EngineArgs(long_prefill_token_threshold=64, enable_chunked_prefill=False).create_engine_config()
+
+
+def test_long_prefill_token_threshold_from_the_cli():
+    """vLLM's flag reaches the scheduler: ``--long-prefill-token-threshold 96`` caps each request's prompt chunk."""
+    from pagedllm.entrypoints.cli import build_parser, engine_args_from_namespace
+
+    ns = build_parser().parse_args(["serve", "--long-prefill-token-threshold", "96"])
+    assert engine_args_from_namespace(ns).long_prefill_token_threshold == 96
+    ns = build_parser().parse_args(["serve"])
+    assert engine_args_from_namespace(ns).long_prefill_token_threshold == 0
 
 
 def test_kv_too_small_for_max_model_len(tiny_llm):

@@ -4,7 +4,8 @@ Each step every running request asks for ``num_tokens - num_computed_tokens`` ne
 chunk of its prompt while prefilling); the scheduler hands out at most ``max_num_batched_tokens`` in total, running
 requests first (in arrival order), then waiting ones (FCFS) while the budget, ``max_num_seqs`` and free blocks last.
 When a running request can't get a block, the latest running request is preempted (recompute): its blocks are freed
-and it goes back to the head of the waiting queue with ``num_computed_tokens = 0``.
+and it goes back to the head of the waiting queue with ``num_computed_tokens = 0``. With ``long_prefill_token_threshold``
+(vLLM's engine arg) no request takes more than that many tokens of a step's budget.
 
 ``update_from_output`` is the only place request state advances. Integers only; no torch.
 
@@ -97,14 +98,19 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         use_pp: bool = False,
         speculative_config=None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
-        """``speculative_config``: a ``pagedllm.config.SpeculativeConfig`` (None: no speculative decoding)."""
+        """``speculative_config``: a ``pagedllm.config.SpeculativeConfig`` (None: no speculative decoding).
+        ``long_prefill_token_threshold`` (vLLM's engine arg; 0: off; EngineArgs checks it is >= 0 and comes with
+        chunked prefill): the most prompt tokens one request computes in a step, so a long prompt takes several steps
+        and the requests behind it get budget in each of them."""
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.chunk_cap = long_prefill_token_threshold or (1 << 62)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -191,7 +197,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens - req.awaiting_grammar, budget)
+            n = min(req.num_tokens - req.num_computed_tokens - req.awaiting_grammar, budget, self.chunk_cap)
             if n <= 0 or (in_flight and req.request_id in in_flight):
                 i += 1
                 continue
@@ -259,7 +265,7 @@ class Scheduler:
                         continue
                 if n > budget and not self.enable_chunked_prefill:
                     break
-                n = min(n, budget)
+                n = min(n, budget, self.chunk_cap)
                 new_blocks = self.kv.allocate_slots(req, n, hit_blocks, num_hit)
                 if new_blocks is None:
                     break

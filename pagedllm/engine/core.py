@@ -65,7 +65,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    sc.max_model_len, sc.enable_chunked_prefill,
                                    use_pp=pc.pipeline_parallel_size > 1,
-                                   speculative_config=config.speculative)
+                                   speculative_config=config.speculative,
+                                   long_prefill_token_threshold=sc.long_prefill_token_threshold)
         # Pipeline parallel (vLLM's batch queue): up to max_in_flight_batches micro-batches in flight, so stage 0
         # runs batch k+1 while stage 1 runs batch k. The external launcher runs every rank's engine in lock step.
         self.batch_queue: Optional[deque] = None

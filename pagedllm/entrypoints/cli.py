@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Reuse KV blocks of shared prompt prefixes (on by default).")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="Split long prompts across steps to keep decodes flowing (on by default).")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="Most prompt tokens one request computes in a step (default 0: up to the token budget). A "
+                        "long prompt then shares each step with the prompts queued behind it.")
     g.add_argument("--max-logprobs", type=int, default=20, help="Largest logprobs / top_logprobs a request may ask.")
     g.add_argument("--seed", type=int, default=0, help="Random seed of the engine.")
     g.add_argument("--chat-template", default=None, help="Chat template: a Jinja file path or the template itself.")
