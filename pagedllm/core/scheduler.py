@@ -5,7 +5,7 @@ chunk of its prompt while prefilling); the scheduler hands out at most ``max_num
 requests first (in arrival order), then waiting ones (FCFS) while the budget, ``max_num_seqs`` and free blocks last.
 When a running request can't get a block, the latest running request is preempted (recompute): its blocks are freed
 and it goes back to the head of the waiting queue with ``num_computed_tokens = 0``. With ``long_prefill_token_threshold``
-(vLLM's engine arg) no request takes more than that many tokens of a step's budget.
+(vLLM's engine arg) no request computes more than that many prompt tokens in a step.
 
 ``update_from_output`` is the only place request state advances. Integers only; no torch.
 
