@@ -221,6 +221,7 @@ def test_dashboard_charts_update_while_a_bench_load_runs(page, server, shot_dir)
     stats = _stats(server.url)
     assert cfg["model"] == stats["config"]["served_model_name"] and cfg["dtype"] == "float32"
     assert cfg["max_num_seqs"] == str(stats["config"]["max_num_seqs"])
+    assert cfg["long_prefill_token_threshold"] == "off" and stats["config"]["long_prefill_token_threshold"] == 0
     assert str(stats["config"]["num_kv_blocks"]) in cfg["KV blocks"]
 
     def last(chart: str) -> dict:

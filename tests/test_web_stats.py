@@ -60,7 +60,7 @@ def _engine(metrics):
         model=SimpleNamespace(model="/m.gguf", served_model_name="m", architecture="LlamaForCausalLM",
                               dtype="torch.bfloat16", quantization=SimpleNamespace(method="gguf"), max_model_len=64),
         cache=SimpleNamespace(block_size=16, enable_prefix_caching=True),
-        scheduler=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=128),
+        scheduler=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=128, long_prefill_token_threshold=96),
         kernel=SimpleNamespace(isa="avx512_bf16"))
     return SimpleNamespace(config=cfg, metrics=metrics, num_kv_blocks=11, num_in_flight=0, engine_mode="thread")
 
@@ -111,7 +111,7 @@ def test_sampler_rates_percentiles_and_since_match_the_counters():
         "model": "/m.gguf", "served_model_name": "m", "architecture": "LlamaForCausalLM", "dtype": "bfloat16",
         "quantization": "gguf", "isa": "avx512_bf16", "max_model_len": 64, "block_size": 16, "num_kv_blocks": 11,
         "kv_cache_tokens": 160, "enable_prefix_caching": True, "max_num_seqs": 8, "max_num_batched_tokens": 128,
-        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "engine_mode": "thread", "version": "9.9"}
+        "long_prefill_token_threshold": 96, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "engine_mode": "thread", "version": "9.9"}
     assert d["current"]["num_requests_running"] == 0.0
     # since: only newer points.
     assert s.to_dict(since=t + 1)["series"]["time"] == [t + 2]

@@ -512,10 +512,15 @@ def run_server(ns: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log, timeout_graceful_shutdown=2)
     server = _Server(config)
+    sc = cfg.scheduler
     logger.info("pagedllm serving model %s (%s) dtype=%s KV blocks=%d x %d tokens max_model_len=%d "
-                "engine=%s at http://%s:%d (loaded in %.1f s)", cfg.model.served_model_name, cfg.model.model,
-                dtype, num_blocks, cfg.cache.block_size, cfg.model.max_model_len, engine.engine_mode, ns.host,
-                ns.port, time.perf_counter() - t0)
+                "max_num_seqs=%d max_num_batched_tokens=%d%s%s engine=%s at http://%s:%d (loaded in %.1f s)",
+                cfg.model.served_model_name, cfg.model.model, dtype, num_blocks, cfg.cache.block_size,
+                cfg.model.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens,
+                "" if sc.enable_chunked_prefill else " (no chunked prefill)",
+                f" long_prefill_token_threshold={sc.long_prefill_token_threshold}"
+                if sc.long_prefill_token_threshold else "", engine.engine_mode, ns.host, ns.port,
+                time.perf_counter() - t0)
     server.run()
     engine.shutdown()
     if exit_code:

@@ -156,6 +156,7 @@ def engine_info(engine, version: str = "") -> dict:
         "enable_prefix_caching": get(cc, "enable_prefix_caching", bool),
         "max_num_seqs": get(sc, "max_num_seqs", int),
         "max_num_batched_tokens": get(sc, "max_num_batched_tokens", int),
+        "long_prefill_token_threshold": get(sc, "long_prefill_token_threshold", int),
         "tensor_parallel_size": get(pc, "tensor_parallel_size", int) or 1,
         "pipeline_parallel_size": get(pc, "pipeline_parallel_size", int) or 1,
         "engine_mode": getattr(engine, "engine_mode", None),

@@ -76,6 +76,7 @@ function showConfig(cfg) {
     ["quantization", cfg.quantization || "none"], ["ISA level", cfg.isa || "unknown"],
     ["KV blocks", `${int(cfg.num_kv_blocks)} × ${cfg.block_size} tokens (${int(cfg.kv_cache_tokens)} tokens)`],
     ["max_num_seqs", int(cfg.max_num_seqs)], ["max_num_batched_tokens", int(cfg.max_num_batched_tokens)],
+    ["long_prefill_token_threshold", cfg.long_prefill_token_threshold ? int(cfg.long_prefill_token_threshold) : "off"],
     ["max_model_len", int(cfg.max_model_len)], ["prefix caching", cfg.enable_prefix_caching ? "on" : "off"],
     ["parallel", `TP ${cfg.tensor_parallel_size} × PP ${cfg.pipeline_parallel_size}`],
     ["engine", cfg.engine_mode || "–"], ["version", cfg.version || "–"],
