@@ -144,9 +144,9 @@ def test_batch_invariant(level, mode):
 @pytest.mark.parametrize("level", _LEVELS)
 @pytest.mark.parametrize("mode", [0, 3])
 def test_row_panels(level, mode):
-    """A call whose rows outgrow one row panel (PANEL_BYTES, 2 MB of x: here 700 rows x 4,096 = 5.7 MB, four panels
-    of 192 rows and one of 124): within the float64 bound, and the rows on each side of every panel edge, alone, give
-    the same bits."""
+    """A call whose rows outgrow one row panel (PANEL_BYTES, 2 MB of x: here 700 rows x 4,096 = 5.7 MB, panels of
+    192, 192, 192 and 124 rows; the scalar build's 400 rows: 192, 192, 16): within the float64 bound, and the rows on
+    each side of every panel edge, alone, give the same bits."""
     lib = _lib(level)
     gen = torch.Generator().manual_seed(7)
     n, k, m = 160, 4096, 700 if level != "scalar" else 400
