@@ -153,13 +153,13 @@ def test_row_panels(level, mode):
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen).bfloat16()
-    out = _call(lib, x, _pack(lib, w), n, b, mode)
+    p = _pack(lib, w)
+    out = _call(lib, x, p, n, b, mode)
     ref, acc_err = _ref_and_bound(x, w, b)
     if mode == 3:
         assert ((out.double() - ref).abs() <= acc_err + 1e-30).all()
     else:
         _check_bf16(out, ref, acc_err)
-    p = _pack(lib, w)
     for i in (0, 95, 96, 191, 192, 383, 384, 575, 576, m - 1):
         if i < m:
             assert torch.equal(_call(lib, x[i:i + 1].contiguous(), p, n, b, mode), out[i:i + 1]), f"row {i}"

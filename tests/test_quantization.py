@@ -885,7 +885,8 @@ def test_smollm2_quantized_bf16_adds_no_error_beyond_bf16():
     directly: on bf16 hidden states, the bf16 model's head gives float32 logits within float32 rounding of a float64
     product with the file's table (a bf16 rounding anywhere would be a 2^-9 relative error)."""
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.layers.quantization.kquant import LOGITS_ACT_BITS, quantize_activations
+    from pagedllm.kernels.config import LOGITS_ACT_BITS
+    from pagedllm.layers.quantization.kquant import quantize_activations
     from pagedllm.sampling_params import SamplingParams
 
     msgs = [{"role": "user", "content": "What is the capital of France?"}]

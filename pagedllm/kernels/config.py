@@ -180,8 +180,7 @@ class KernelConfig:
         Qwen2.5-Coder-0.5B and 4.9e-4 / 9.7e-4 on the 1.5B Q4_K_M (EPYC Zen 3, s42, the head then 8-bit too; on a
         Zen 5 with the head at 15 bits, s43: 5.7e-4 / 1.06e-3 and 4.3e-4 / 1.10e-3), where llama.cpp's own run of
         each file measured against its F32 conversion (``llama-perplexity --kl-divergence``, the same text and
-        chunks) gave 1.21e-3 and
-        2.43e-3; with float32 activations 15-bit rows give the float32 model's greedy output (KL 5e-8). 8-bit rows
+        chunks) gave 1.21e-3 and 2.43e-3; with float32 activations 15-bit rows give the float32 model's greedy output (KL 5e-8). 8-bit rows
         halve the integer work (one ``vpdpbusd`` per chunk instead of two; AVX2: one ``vpmaddubsw``): on an EPYC Zen 3
         (runs alternating) the 1.5B's decode step took 1.20-1.30x its memory floor with 15-bit rows and 1.10-1.17x
         with 8-bit ones while the host read 30-36 GB/s, and 1.11-1.23x either way at 27-30 GB/s, where the weight

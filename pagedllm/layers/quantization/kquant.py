@@ -279,8 +279,6 @@ def kquant_prefill_bf16(x: torch.Tensor, weights: Sequence[KQuantWeight], found,
     return out
 
 
-
-
 def kquant_logits(x: torch.Tensor, weights: Sequence[KQuantWeight], lib: Optional[ctypes.CDLL] = None
                   ) -> torch.Tensor:
     """The LM head: ``x [T, K] @ cat(weights).T -> [T, N]`` float32 logits, on ``LOGITS_ACT_BITS`` activations for
